@@ -1,0 +1,124 @@
+"""The device's local ZO trainer: run a round plan's steps on private data, return scalars only.
+
+The trainer never lets its local steps become shared state: it stashes the scope at the start of
+the round and puts it back at the end, so the device stands at version v again and later applies
+the aggregated entry like every other device. Large scopes stash to disk (safetensors) instead of
+memory, keeping the device at inference memory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from seedfed.shared.estimator import ZOConfig, spsa_step
+from seedfed.shared.perturb import Perturber
+from seedfed.shared.scopes import Scope
+from seedfed.shared.wire import RoundPlan
+
+Batch = Mapping[str, torch.Tensor]
+LossOnBatch = Callable[[nn.Module, Batch], torch.Tensor]
+
+#: Scopes larger than this many bytes stash to a temporary file rather than to memory.
+MEMORY_STASH_LIMIT = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    scalars: np.ndarray  # float32 (steps, perturbations), the whole upload
+    num_examples: int
+    loss: float
+    forwards: int
+
+
+def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean next-token cross-entropy; positions whose label is -100 (padding, prompt) are skipped."""
+    labels = batch.get("labels", batch["input_ids"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    logits = out.logits[:, :-1].float()
+    target = labels[:, 1:]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
+                                       ignore_index=-100)
+
+
+def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Cross-entropy of a sequence-classification model's logits against `labels`."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits.float()
+    return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+class _ScopeStash:
+    """An exact copy of the scope at round start, in memory or spilled to a temporary file."""
+
+    def __init__(self, scope: Scope, limit: int = MEMORY_STASH_LIMIT) -> None:
+        self.scope = scope
+        state = scope.read()
+        self._memory: dict[str, torch.Tensor] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        if 4 * scope.numel <= limit:
+            self._memory = state
+        else:
+            self._dir = tempfile.TemporaryDirectory(prefix="seedfed-stash-")
+            save_file(state, str(Path(self._dir.name) / "stash.safetensors"))
+            del state
+
+    def restore(self) -> None:
+        if self._memory is not None:
+            self.scope.write(self._memory)
+            return
+        assert self._dir is not None
+        self.scope.write(load_file(str(Path(self._dir.name) / "stash.safetensors")))
+        self._dir.cleanup()
+
+
+class LocalTrainer:
+    """Runs round plans on one model and scope. Reused across rounds (model loaded once)."""
+
+    def __init__(self, model: nn.Module, scope: Scope, loss_on_batch: LossOnBatch,
+                 mode: str = "auto", one_sided: bool = False) -> None:
+        self.model = model.eval()  # dropout off: both probes of a seed must see the same function
+        self.scope = scope
+        self.loss_on_batch = loss_on_batch
+        self.perturber = Perturber(scope, mode)  # type: ignore[arg-type]
+
+    def run(self, plan: RoundPlan, batches: Iterator[Batch], keep: bool = False,
+            ) -> TrainResult:
+        """Run the plan's local steps; afterwards the scope is back at the plan's version
+        exactly, unless `keep` (then it holds the device's local model)."""
+        config = ZOConfig(lr=plan.lr, eps=plan.eps, perturbations=plan.perturbations,
+                          clip=plan.clip, one_sided=plan.one_sided, mode=self.perturber.mode)
+        stash = None if keep else _ScopeStash(self.scope)
+        g = np.zeros((plan.steps, plan.perturbations), dtype=np.float32)
+        losses: list[float] = []
+        examples = forwards = 0
+        try:
+            for step, seeds in enumerate(plan.seeds):
+                batch = next(batches)
+                examples += _batch_size(batch)
+
+                def loss_fn(batch: Batch = batch) -> float:
+                    with torch.no_grad():
+                        return float(self.loss_on_batch(self.model, batch))
+
+                res = spsa_step(self.scope, loss_fn, seeds, config, self.perturber)
+                g[step] = res.g
+                losses.append(res.loss)
+                forwards += res.forwards
+        finally:
+            if stash is not None:
+                stash.restore()
+        return TrainResult(g, examples, float(np.mean(losses)), forwards)
+
+
+def _batch_size(batch: Batch) -> int:
+    first: Any = next(iter(batch.values()))
+    return int(first.shape[0])

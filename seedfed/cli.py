@@ -1,0 +1,9 @@
+"""The `seedfed` command line."""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,134 @@
+"""Showing the forward theta + scale * z(seed) while the stored tensors come back bit for bit.
+
+Floating-point undo is not exact (x + e - 2e + e != x in general), so a probe either
+- `copy`: adds scale * z in place and afterwards copies the tensors back from a stash kept
+  for the whole step. Cheapest in time, costs one extra copy of the scope: right for small
+  scopes (LoRA, heads, scales).
+- `virtual`: leaves the stored tensors alone; a forward pre-hook on each owning module swaps
+  in a perturbed temporary (tensor + scale * z) for the duration of that module's forward, so
+  at most one tensor's temporary exists at a time. No persistent extra memory: right for the
+  full scope, where a stash would double the model.
+`auto` picks `copy` when the scope is under `COPY_FRACTION` of the model's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .scopes import Scope, ScopedTensor
+from .stream import add_seeds_
+
+Mode = Literal["auto", "copy", "virtual"]
+MODES: tuple[str, ...] = ("auto", "copy", "virtual")
+COPY_FRACTION = 0.05
+
+
+def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
+    if mode not in MODES:
+        raise ValueError(f"perturbation mode must be one of {MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    total = sum(p.numel() for p in scope.model.parameters())
+    return "copy" if scope.numel <= COPY_FRACTION * max(total, 1) else "virtual"
+
+
+def perturbed_copy(t: ScopedTensor, seed: int, scale: float) -> torch.Tensor:
+    """A new tensor equal to t.tensor + scale * z(seed) on the covered elements."""
+    out = t.tensor.detach().clone()
+    add_seeds_(out, t.name, [seed], [scale], t.indices)
+    return out
+
+
+class Stash:
+    """An exact copy of a scope's covered values, to put back after probes or a failed replay."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.saved = {t.name: t.values() for t in scope}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t in self.scope:
+                t.assign(self.saved[t.name])
+
+
+class Perturber:
+    """Applies probes theta + scale * z(seed) to a scope with the chosen restore strategy."""
+
+    def __init__(self, scope: Scope, mode: Mode = "auto") -> None:
+        self.scope = scope
+        self.mode = resolve_mode(scope, mode)
+        self._stash: Stash | None = None
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Brackets one optimizer step: the copy strategy stashes the scope once per step."""
+        if self.mode == "copy":
+            self._stash = Stash(self.scope)
+        try:
+            yield
+        finally:
+            self._stash = None
+
+    @contextmanager
+    def probe(self, seed: int, scale: float) -> Iterator[None]:
+        """Inside the block, forwards see theta + scale * z(seed); outside, theta exactly."""
+        if self.mode == "copy":
+            stash = self._stash or Stash(self.scope)
+            with torch.no_grad():
+                for t in self.scope:
+                    add_seeds_(t.tensor.data, t.name, [seed], [scale], t.indices)
+            try:
+                yield
+            finally:
+                stash.restore()
+        else:
+            with _virtual(self.scope, seed, scale):
+                yield
+
+
+@contextmanager
+def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
+    by_id = {id(t.tensor): t for t in scope}
+    owners = scope.owners()
+    depth: dict[int, int] = {}
+    originals: dict[int, torch.Tensor] = {}
+
+    def enter(module: nn.Module, _args: object) -> None:
+        for attr, p in _owned(module, by_id):
+            key = id(p)
+            depth[key] = depth.get(key, 0) + 1
+            if depth[key] == 1:  # a tensor shared by nested owners is perturbed once
+                originals[key] = p.data
+                p.data = perturbed_copy(by_id[key], seed, scale)
+
+    def leave(module: nn.Module, _args: object, _out: object) -> None:
+        for attr, p in _owned(module, by_id):
+            key = id(p)
+            depth[key] -= 1
+            if depth[key] == 0:
+                p.data = originals.pop(key)
+
+    modules = {id(m): m for pairs in owners.values() for m, _ in pairs}
+    handles = []
+    for m in modules.values():
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for t in scope:  # a forward that raised midway must still leave theta untouched
+            if id(t.tensor) in originals:
+                t.tensor.data = originals.pop(id(t.tensor))
+
+
+def _owned(module: nn.Module, by_id: dict[int, ScopedTensor]) -> list[tuple[str, torch.Tensor]]:
+    items = list(module._parameters.items()) + list(module._buffers.items())
+    return [(a, p) for a, p in items if p is not None and id(p) in by_id]

@@ -1,0 +1,204 @@
+"""Trainable scopes: which tensors (and which of their elements) z covers, in canonical order.
+
+Both sides build the scope from the same task definition and model, so they agree on the names,
+the order and the element sets without exchanging them. A scope reads and writes its tensors;
+later scopes (`sparse`, `scales`, `ternary`) register a builder with `register_scope`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import MissingTensorError, ScopeError, UnknownScopeError
+
+
+@dataclass(frozen=True)
+class ScopedTensor:
+    """One trainable tensor: its canonical name, the live storage, and the covered elements.
+
+    `indices` holds sorted, unique flat element indices when only part of the tensor trains
+    (a mask); None means every element. z for element i is element i of the tensor's stream,
+    so a masked subset reuses the stream of the whole tensor.
+    """
+
+    name: str
+    tensor: torch.Tensor
+    indices: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel() if self.indices is None else int(self.indices.numel())
+
+    def values(self) -> torch.Tensor:
+        """A flat float32 copy of the covered elements."""
+        flat = self.tensor.detach().reshape(-1)
+        return (flat if self.indices is None else flat[self.indices]).clone()
+
+    def assign(self, values: torch.Tensor) -> None:
+        flat = self.tensor.data.view(-1)
+        if self.indices is None:
+            flat.copy_(values.reshape(-1))
+        else:
+            flat[self.indices] = values.reshape(-1).to(flat.dtype)
+
+
+class Scope:
+    """An ordered set of trainable tensors of one model.
+
+    Subclasses only choose the tensors; everything else (order, read/write, ownership for
+    virtual perturbation) is shared here.
+    """
+
+    kind = "custom"
+
+    def __init__(self, model: nn.Module, tensors: list[ScopedTensor]) -> None:
+        if not tensors:
+            raise ScopeError(f"scope {self.kind!r} selects no tensors in {type(model).__name__}")
+        for t in tensors:
+            if t.tensor.dtype != torch.float32:
+                raise ScopeError(
+                    f"scope {self.kind!r}: tensor {t.name} is {t.tensor.dtype}; replay is defined "
+                    "in float32, so keep trainable tensors float32 (load the model in fp32)"
+                )
+        self.model = model
+        self._tensors = sorted(tensors, key=lambda t: t.name)
+        names = [t.name for t in self._tensors]
+        if len(set(names)) != len(names):
+            raise ScopeError(f"scope {self.kind!r} lists a tensor name twice")
+
+    def __iter__(self) -> Iterator[ScopedTensor]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self._tensors]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self._tensors)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Copies of the covered values, flat float32, in canonical order."""
+        return {t.name: t.values() for t in self._tensors}
+
+    def write(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the covered values; checks every tensor before touching any."""
+        expected = set(self.names)
+        missing, extra = expected - set(state), set(state) - expected
+        if missing or extra:
+            raise MissingTensorError(
+                f"state does not match scope {self.kind!r}: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(extra)[:5]}"
+            )
+        for t in self._tensors:
+            if state[t.name].numel() != t.numel:
+                raise MissingTensorError(
+                    f"{t.name}: state has {state[t.name].numel()} elements, scope {t.numel}"
+                )
+        with torch.no_grad():
+            for t in self._tensors:
+                t.assign(state[t.name])
+
+    def after_update(self) -> None:
+        """Hook run after every replayed update (e.g. clamp quantization scales). No-op here."""
+
+    def owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
+        """For each scoped tensor (by id), the modules that hold it directly and under which name."""
+        wanted = {id(t.tensor) for t in self._tensors}
+        found: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in self.model.modules():
+            for attr, p in list(module._parameters.items()) + list(module._buffers.items()):
+                if p is not None and id(p) in wanted:
+                    found.setdefault(id(p), []).append((module, attr))
+        return found
+
+
+ScopeBuilder = Callable[..., Scope]
+_REGISTRY: dict[str, ScopeBuilder] = {}
+
+
+def register_scope(kind: str) -> Callable[[ScopeBuilder], ScopeBuilder]:
+    def wrap(builder: ScopeBuilder) -> ScopeBuilder:
+        _REGISTRY[kind] = builder
+        return builder
+
+    return wrap
+
+
+def scope_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_scope(kind: str, model: nn.Module, **options: Any) -> Scope:
+    """Build the scope a task names; unknown names raise UnknownScopeError listing the known."""
+    try:
+        builder = _REGISTRY[kind]
+    except KeyError as e:
+        raise UnknownScopeError(
+            f"unknown scope {kind!r}; known scopes: {', '.join(scope_kinds())}"
+        ) from e
+    return builder(model, **options)
+
+
+def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    # named_parameters drops tied duplicates, keeping the first name: that name is canonical.
+    yield from model.named_parameters(remove_duplicate=True)
+
+
+class FullScope(Scope):
+    """Every floating-point parameter of the model (tied weights once)."""
+
+    kind = "full"
+
+
+class NamedScope(Scope):
+    """Parameters whose canonical name contains one of the given substrings."""
+
+    kind = "named"
+
+
+class LoraScope(Scope):
+    """peft LoRA adapters (`lora_` tensors) plus any `modules_to_save` copies (e.g. a head)."""
+
+    kind = "lora"
+
+
+@register_scope("full")
+def _build_full(model: nn.Module) -> Scope:
+    return FullScope(
+        model, [ScopedTensor(n, p) for n, p in _unique_parameters(model) if p.is_floating_point()]
+    )
+
+
+@register_scope("named")
+def _build_named(model: nn.Module, patterns: tuple[str, ...] = ()) -> Scope:
+    if not patterns:
+        raise ScopeError("scope 'named' needs at least one name pattern")
+    chosen = [ScopedTensor(n, p) for n, p in _unique_parameters(model)
+              if any(s in n for s in patterns)]
+    if not chosen:
+        raise ScopeError(f"scope 'named': no parameter name contains any of {list(patterns)}")
+    return NamedScope(model, chosen)
+
+
+@register_scope("lora")
+def _build_lora(model: nn.Module) -> Scope:
+    chosen = [
+        ScopedTensor(n, p)
+        for n, p in _unique_parameters(model)
+        if "lora_" in n or ".modules_to_save." in n
+    ]
+    if not chosen:
+        raise ScopeError(
+            f"scope 'lora': {type(model).__name__} has no LoRA adapters; wrap it with "
+            "peft.get_peft_model (seedfed.client.models.apply_lora) first"
+        )
+    return LoraScope(model, chosen)

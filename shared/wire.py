@@ -1,0 +1,175 @@
+"""Wire schemas (versioned pydantic models) and the compact binary form of scalar matrices.
+
+JSON carries scalar matrices as base64 of float32 little-endian, row-major (steps x P), which
+is exactly 4 bytes per scalar before base64. The raw binary form, for `application/octet-stream`
+uploads, is a 16-byte header (magic b"SFS1", uint32 rows, uint32 cols, uint32 reserved = 0)
+followed by the float32 LE values. Seeds are JSON integers below 2**53 so that clients in any
+language (JavaScript included) read them exactly; the stream itself accepts any uint64.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from datetime import datetime
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import NonFiniteScalarError, WireFormatError
+from .replay import LogEntry
+
+SCHEMA_VERSION = 1
+MAX_SEED = (1 << 53) - 1
+MAGIC = b"SFS1"
+_HEADER = struct.Struct("<4sIII")
+
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+
+def encode_scalars(m: np.ndarray) -> str:
+    """float32 LE row-major bytes of a matrix or vector, base64 encoded."""
+    return base64.b64encode(np.ascontiguousarray(m, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_scalars(text: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `encode_scalars`; refuses wrong lengths and non-finite values."""
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError) as e:
+        raise WireFormatError(f"scalars are not valid base64: {e}") from e
+    n = int(np.prod(shape)) if shape else 1
+    if len(raw) != 4 * n:
+        raise WireFormatError(f"scalars hold {len(raw)} bytes, shape {list(shape)} needs {4 * n}")
+    out = np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
+    if not np.isfinite(out).all():
+        raise NonFiniteScalarError("scalars contain NaN or infinity")
+    return out
+
+
+def pack_binary(m: np.ndarray) -> bytes:
+    m = np.atleast_2d(np.asarray(m, dtype="<f4"))
+    if m.ndim != 2:
+        raise WireFormatError(f"binary scalars must be a matrix, got {m.ndim} dimensions")
+    return _HEADER.pack(MAGIC, m.shape[0], m.shape[1], 0) + m.tobytes()
+
+
+def unpack_binary(data: bytes) -> np.ndarray:
+    if len(data) < _HEADER.size:
+        raise WireFormatError(f"binary scalars need a {_HEADER.size}-byte header, got {len(data)} bytes")
+    magic, rows, cols, _ = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireFormatError(f"binary scalars start with {magic!r}, expected {MAGIC!r}")
+    body = data[_HEADER.size:]
+    if len(body) != 4 * rows * cols:
+        raise WireFormatError(f"{rows}x{cols} scalars need {4 * rows * cols} bytes, got {len(body)}")
+    out = np.frombuffer(body, dtype="<f4").reshape(rows, cols).astype(np.float32)
+    if not np.isfinite(out).all():
+        raise NonFiniteScalarError("scalars contain NaN or infinity")
+    return out
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported (this side speaks {SCHEMA_VERSION})")
+        return v
+
+
+class RoundPlan(_Schema):
+    """What a device needs to run its local steps of a round."""
+
+    task_id: str
+    round: int = Field(ge=0)
+    version: int = Field(ge=0)
+    seeds: list[list[Seed]]  # steps x perturbations, plan order
+    lr: float = Field(gt=0)
+    eps: float = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    clip: float | None = Field(default=None, gt=0)
+    one_sided: bool = False
+    scope: str = "lora"
+    deadline: datetime | None = None
+    quorum: int = Field(default=1, ge=1)
+
+    @field_validator("seeds")
+    @classmethod
+    def _rectangular(cls, v: list[list[int]]) -> list[list[int]]:
+        if not v or len({len(r) for r in v}) != 1 or not v[0]:
+            raise ValueError("seeds must be a non-empty steps x perturbations matrix")
+        return v
+
+    @property
+    def steps(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def perturbations(self) -> int:
+        return len(self.seeds[0])
+
+    @property
+    def flat_seeds(self) -> list[int]:
+        return [s for row in self.seeds for s in row]
+
+
+class Upload(_Schema):
+    """A device's whole contribution to a round: scalars, example count, mean loss."""
+
+    task_id: str
+    round: int = Field(ge=0)
+    version: int = Field(ge=0)
+    shape: tuple[int, int]
+    scalars: str  # base64 float32 LE, see encode_scalars
+    num_examples: int = Field(gt=0)
+    loss: float
+
+    @field_validator("loss")
+    @classmethod
+    def _finite_loss(cls, v: float) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("loss must be finite")
+        return v
+
+    def matrix(self) -> np.ndarray:
+        return decode_scalars(self.scalars, self.shape)
+
+    @classmethod
+    def build(cls, plan: RoundPlan, g: np.ndarray, num_examples: int, loss: float) -> Upload:
+        g = np.asarray(g, dtype=np.float32).reshape(plan.steps, plan.perturbations)
+        return cls(task_id=plan.task_id, round=plan.round, version=plan.version,
+                   shape=(plan.steps, plan.perturbations), scalars=encode_scalars(g),
+                   num_examples=num_examples, loss=loss)
+
+
+class LogEntryWire(_Schema):
+    """A log entry on the wire: the update from `base_version` to `base_version + 1`."""
+
+    task_id: str
+    base_version: int = Field(ge=0)
+    seeds: list[int]
+    coefs: str  # base64 float32 LE
+    checksum: str
+
+    def to_entry(self) -> LogEntry:
+        coefs = decode_scalars(self.coefs, (len(self.seeds),))
+        return LogEntry(self.task_id, self.base_version, tuple(self.seeds),
+                        tuple(float(c) for c in coefs), self.checksum)
+
+    @classmethod
+    def from_entry(cls, e: LogEntry) -> LogEntryWire:
+        if e.checksum is None:
+            raise WireFormatError(f"entry v{e.version} has no checksum to publish")
+        return cls(task_id=e.task_id, base_version=e.base_version, seeds=list(e.seeds),
+                   coefs=encode_scalars(np.asarray(e.coefs, dtype=np.float32)),
+                   checksum=e.checksum)
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")
