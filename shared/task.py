@@ -1,0 +1,96 @@
+"""The task definition both sides derive the model, the scope and the round plans from.
+
+A task names a local Hugging Face model directory (each device holds its own copy of the frozen
+base), the kind of head, the trainable scope, the published format and the ZO hyperparameters.
+Version 0 of the trainable state is whatever the coordinator's snapshot 0 holds (it initializes
+heads and adapters once, deterministically); devices load the base and then that snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from .aggregate import AggregationConfig
+
+ModelKind = Literal["causal_lm", "seq_cls"]
+Format = Literal["fp32", "fp16", "bf16", "int8", "int4", "ternary"]
+FORMATS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "ternary")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    r: int = 8
+    alpha: int = 16
+    target_modules: tuple[str, ...] = ("query", "value")
+    train_head: bool = True  # also train the classification head (peft modules_to_save)
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.r}")
+        if not self.target_modules:
+            raise ValueError("LoRA needs at least one target module name")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """ZO hyperparameters of every round of the task."""
+
+    lr: float = 1e-4
+    eps: float = 1e-3
+    steps: int = 10
+    perturbations: int = 1
+    batch_size: int = 16
+    clip: float | None = None
+    one_sided: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "eps"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be positive and finite, got {v}")
+        for name in ("steps", "perturbations", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be positive or None, got {self.clip}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    model_path: str
+    model_kind: ModelKind = "seq_cls"
+    num_labels: int = 2
+    label_texts: tuple[str, ...] = ()  # e.g. ("negative", "positive"): head initialized from them
+    scope: str = "lora"
+    scope_options: dict[str, Any] = field(default_factory=dict)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    format: Format = "fp32"
+    hyper: Hyper = field(default_factory=Hyper)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    max_seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.model_kind not in ("causal_lm", "seq_cls"):
+            raise ValueError(f"model_kind must be causal_lm or seq_cls, got {self.model_kind!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.model_kind == "seq_cls" and self.num_labels < 2:
+            raise ValueError(f"num_labels must be >= 2, got {self.num_labels}")
+        if self.label_texts and len(self.label_texts) != self.num_labels:
+            raise ValueError(f"{len(self.label_texts)} label texts for {self.num_labels} labels")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TaskSpec:
+        d = dict(d)
+        d["lora"] = LoraOptions(**{**d.get("lora", {}),
+                                   "target_modules": tuple(d.get("lora", {}).get(
+                                       "target_modules", LoraOptions().target_modules))})
+        d["hyper"] = Hyper(**d.get("hyper", {}))
+        d["aggregation"] = AggregationConfig(**d.get("aggregation", {}))
+        d["label_texts"] = tuple(d.get("label_texts", ()))
+        return cls(**d)
