@@ -40,7 +40,7 @@ def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
 def perturbed_copy(t: ScopedTensor, seed: int, scale: float) -> torch.Tensor:
     """A new tensor equal to t.tensor + scale * z(seed) on the covered elements."""
     out = t.tensor.detach().clone()
-    add_seeds_(out, t.name, [seed], [scale], t.indices)
+    add_seeds_(out, t.name, [seed], [scale], t.indices, t.compact)
     return out
 
 
@@ -82,7 +82,7 @@ class Perturber:
             stash = self._stash or Stash(self.scope)
             with torch.no_grad():
                 for t in self.scope:
-                    add_seeds_(t.tensor.data, t.name, [seed], [scale], t.indices)
+                    add_seeds_(t.tensor.data, t.name, [seed], [scale], t.indices, t.compact)
             try:
                 yield
             finally:

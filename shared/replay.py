@@ -79,7 +79,7 @@ def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float]) -> N
     """theta += sum in order of coef * z(seed) over the scope (no validation; hot path)."""
     with torch.no_grad():
         for t in scope:
-            add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices)
+            add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices, t.compact)
     scope.after_update()
 
 

@@ -29,6 +29,17 @@ class ScopedTensor:
     name: str
     tensor: torch.Tensor
     indices: torch.Tensor | None = None
+    #: `tensor` holds only the covered elements, in `indices` order (a device that keeps just
+    #: the masked latents of a matrix); z still comes from the whole tensor's stream at `indices`.
+    compact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compact and (self.indices is None or self.indices.numel() != self.tensor.numel()):
+            raise ScopeError(
+                f"{self.name}: a compact tensor needs one index per stored element, got "
+                f"{None if self.indices is None else self.indices.numel()} indices for "
+                f"{self.tensor.numel()} elements"
+            )
 
     @property
     def numel(self) -> int:
@@ -37,11 +48,11 @@ class ScopedTensor:
     def values(self) -> torch.Tensor:
         """A flat float32 copy of the covered elements."""
         flat = self.tensor.detach().reshape(-1)
-        return (flat if self.indices is None else flat[self.indices]).clone()
+        return (flat if self.indices is None or self.compact else flat[self.indices]).clone()
 
     def assign(self, values: torch.Tensor) -> None:
         flat = self.tensor.data.view(-1)
-        if self.indices is None:
+        if self.indices is None or self.compact:
             flat.copy_(values.reshape(-1))
         else:
             flat[self.indices] = values.reshape(-1).to(flat.dtype)

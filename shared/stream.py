@@ -145,12 +145,14 @@ def rademacher_at(seed: int, name: str, indices: torch.Tensor | np.ndarray,
 
 
 def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence[float],
-               indices: torch.Tensor | None = None) -> None:
+               indices: torch.Tensor | None = None, compact: bool = False) -> None:
     """x += coef * z(seed, name) for each (seed, coef) in order, in place, bit-exact.
 
     `x` is a float32 tensor (any shape, contiguous); with `indices` only those flat elements
-    move. Work runs chunk by chunk with every seed applied to a chunk while it is in cache; each
-    element still sees its additions in plan order, so the bits equal the naive loop.
+    move; with `compact` too, `x` holds only those elements (in `indices` order) and element j
+    takes z at indices[j]: the same additions, so the same bits. Work runs chunk by chunk with
+    every seed applied to a chunk while it is in cache; each element still sees its additions
+    in plan order, so the bits equal the naive loop.
     """
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError(f"{name}: replay needs a contiguous float32 tensor, got {x.dtype}")
@@ -160,8 +162,14 @@ def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence
     scales = [float(np.float32(c)) for c in coefs]
     tid = tensor_id(name)
     if indices is not None:
+        if compact and indices.numel() != flat.numel():
+            raise ValueError(f"{name}: compact tensor of {flat.numel()} elements, "
+                             f"{indices.numel()} indices")
         for seed, c in zip(seeds, scales, strict=True):
-            flat.index_add_(0, indices, rademacher_at(seed, name, indices, c))
+            if compact:
+                flat.add_(rademacher_at(seed, name, indices, c))
+            else:
+                flat.index_add_(0, indices, rademacher_at(seed, name, indices, c))
         return
     n = flat.numel()
     for start in range(0, n, CHUNK_ELEMENTS):

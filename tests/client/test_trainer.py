@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from seedfed.client import trainer as trainer_mod
+from seedfed.client.trainer import LocalTrainer, causal_lm_loss, classification_loss
+from seedfed.shared.replay import checksum
+from seedfed.shared.scopes import build_scope
+from seedfed.shared.wire import RoundPlan
+from tests.shared.conftest import tiny_llama
+
+
+def _plan(steps: int = 3, p: int = 2) -> RoundPlan:
+    return RoundPlan(task_id="t", round=0, version=0, lr=1e-2, eps=1e-2, batch_size=2,
+                     seeds=[[10 * i + j for j in range(p)] for i in range(steps)])
+
+
+def _lm_batches(n: int):
+    gen = torch.Generator().manual_seed(3)
+    return iter([{"input_ids": torch.randint(0, 96, (2, 8), generator=gen)} for _ in range(n)])
+
+
+@pytest.mark.parametrize("limit", [trainer_mod.MEMORY_STASH_LIMIT, 0])
+def test_run_returns_scalars_and_restores_version_exactly(monkeypatch, limit):
+    monkeypatch.setattr(trainer_mod, "MEMORY_STASH_LIMIT", limit)  # 0: stash spills to disk
+    model = tiny_llama()
+    scope = build_scope("full", model)
+    before = checksum(scope)
+    result = LocalTrainer(model, scope, causal_lm_loss).run(_plan(), _lm_batches(3))
+    assert result.scalars.shape == (3, 2) and result.scalars.dtype == np.float32
+    assert result.num_examples == 6 and result.forwards == 12 and np.isfinite(result.loss)
+    assert checksum(scope) == before
+
+
+def test_keep_leaves_local_model_and_training_lowers_loss_on_fixed_batch():
+    model = tiny_llama()
+    scope = build_scope("full", model)
+    batch = {"input_ids": torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))}
+    before = float(causal_lm_loss(model, batch))
+    plan = RoundPlan(task_id="t", round=0, version=0, lr=0.5, eps=1e-3, batch_size=4,
+                     seeds=[[100 + i] for i in range(30)])
+    LocalTrainer(model, scope, causal_lm_loss).run(plan, iter([batch] * 30), keep=True)
+    with torch.no_grad():
+        assert float(causal_lm_loss(model, batch)) < before
+
+
+def test_classification_loss_on_sequence_classifier():
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, num_labels=2)
+    model = BertForSequenceClassification(cfg).eval()
+    scope = build_scope("named", model, patterns=("classifier",))
+    gen = torch.Generator().manual_seed(0)
+    batches = iter([{"input_ids": torch.randint(0, 50, (4, 6), generator=gen),
+                     "attention_mask": torch.ones(4, 6, dtype=torch.long),
+                     "labels": torch.tensor([0, 1, 0, 1])} for _ in range(2)])
+    result = LocalTrainer(model, scope, classification_loss).run(_plan(2, 1), batches)
+    assert result.num_examples == 8 and np.all(np.isfinite(result.scalars))

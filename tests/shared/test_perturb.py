@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from seedfed.shared.perturb import Perturber, resolve_mode
+from seedfed.shared.replay import checksum
+from seedfed.shared.scopes import build_scope
+from seedfed.shared.stream import rademacher
+
+
+def _loss(model, batch):
+    with torch.no_grad():
+        return float(model(**batch, labels=batch["input_ids"]).loss)
+
+
+@pytest.mark.parametrize("mode", ["copy", "virtual"])
+def test_probe_shows_perturbed_weights_then_restores_bitwise(llama, token_batch, mode):
+    scope = build_scope("full", llama)
+    before = checksum(scope)
+    base = _loss(llama, token_batch)
+    perturber = Perturber(scope, mode)
+    with perturber.step(), perturber.probe(seed=3, scale=0.05):
+        inside = _loss(llama, token_batch)
+    assert inside != base
+    assert checksum(scope) == before
+
+
+def test_copy_and_virtual_forwards_agree_exactly(llama, token_batch):
+    scope = build_scope("full", llama)
+    out = {}
+    for mode in ("copy", "virtual"):
+        p = Perturber(scope, mode)
+        with p.step(), p.probe(seed=9, scale=1e-2):
+            out[mode] = _loss(llama, token_batch)
+    assert out["copy"] == out["virtual"]
+
+
+def test_virtual_probe_uses_theta_plus_scale_z_for_tied_weights(llama):
+    scope = build_scope("full", llama)
+    emb = llama.model.embed_tokens.weight
+    expected = emb.detach() + 0.5 * rademacher(2, "model.embed_tokens.weight", emb.numel()).view_as(emb)
+    seen = {}
+    hook = llama.lm_head.register_forward_hook(lambda m, a, o: seen.setdefault("w", m.weight.detach().clone()))
+    with Perturber(scope, "virtual").probe(seed=2, scale=0.5):
+        llama(input_ids=torch.tensor([[1, 2]]))
+    hook.remove()
+    assert torch.equal(seen["w"], expected)
+
+
+def test_virtual_probe_restores_after_forward_raises(llama):
+    scope = build_scope("full", llama)
+    before = checksum(scope)
+    with pytest.raises(RuntimeError), Perturber(scope, "virtual").probe(seed=1, scale=1.0):
+        llama.model.layers[0].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+        llama(input_ids=torch.tensor([[1, 2]]))
+    assert checksum(scope) == before
+
+
+def test_auto_mode_picks_copy_for_small_scopes(llama):
+    assert resolve_mode(build_scope("named", llama, patterns=("norm",)), "auto") == "copy"
+    assert resolve_mode(build_scope("full", llama), "auto") == "virtual"
+    with pytest.raises(ValueError, match="mode"):
+        resolve_mode(build_scope("full", llama), "lazy")  # type: ignore[arg-type]
