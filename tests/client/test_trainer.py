@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
-
 from seedfed.client import trainer as trainer_mod
 from seedfed.client.trainer import LocalTrainer, causal_lm_loss, classification_loss
 from seedfed.shared.replay import checksum
 from seedfed.shared.scopes import build_scope
 from seedfed.shared.wire import RoundPlan
+from transformers import BertConfig, BertForSequenceClassification
+
 from tests.shared.conftest import tiny_llama
 
 

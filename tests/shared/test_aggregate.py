@@ -1,8 +1,15 @@
 import numpy as np
 import pytest
-
-from seedfed.shared.aggregate import (AggregationConfig, aggregate, build_entry, clipped_mean,
-                                      dp_clip_rows, median, trimmed_mean, weighted_mean)
+from seedfed.shared.aggregate import (
+    AggregationConfig,
+    aggregate,
+    build_entry,
+    clipped_mean,
+    dp_clip_rows,
+    median,
+    trimmed_mean,
+    weighted_mean,
+)
 from seedfed.shared.errors import NonFiniteScalarError, ShapeError
 
 

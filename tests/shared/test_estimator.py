@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from seedfed.shared.errors import NonFiniteScalarError
 from seedfed.shared.estimator import ZOConfig, projected_gradient, spsa_step
 from seedfed.shared.scopes import build_scope

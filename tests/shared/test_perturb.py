@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from seedfed.shared.perturb import Perturber, resolve_mode
 from seedfed.shared.replay import checksum
 from seedfed.shared.scopes import build_scope
@@ -37,9 +36,11 @@ def test_copy_and_virtual_forwards_agree_exactly(llama, token_batch):
 def test_virtual_probe_uses_theta_plus_scale_z_for_tied_weights(llama):
     scope = build_scope("full", llama)
     emb = llama.model.embed_tokens.weight
-    expected = emb.detach() + 0.5 * rademacher(2, "model.embed_tokens.weight", emb.numel()).view_as(emb)
+    z = rademacher(2, "model.embed_tokens.weight", emb.numel()).view_as(emb)
+    expected = emb.detach() + 0.5 * z
     seen = {}
-    hook = llama.lm_head.register_forward_hook(lambda m, a, o: seen.setdefault("w", m.weight.detach().clone()))
+    hook = llama.lm_head.register_forward_hook(
+        lambda m, a, o: seen.setdefault("w", m.weight.detach().clone()))
     with Perturber(scope, "virtual").probe(seed=2, scale=0.5):
         llama(input_ids=torch.tensor([[1, 2]]))
     hook.remove()
@@ -50,7 +51,8 @@ def test_virtual_probe_restores_after_forward_raises(llama):
     scope = build_scope("full", llama)
     before = checksum(scope)
     with pytest.raises(RuntimeError), Perturber(scope, "virtual").probe(seed=1, scale=1.0):
-        llama.model.layers[0].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+        llama.model.layers[0].register_forward_hook(
+            lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
         llama(input_ids=torch.tensor([[1, 2]]))
     assert checksum(scope) == before
 

@@ -5,20 +5,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from seedfed.client.trainer import LocalTrainer, causal_lm_loss
 from seedfed.shared.aggregate import build_entry
-from seedfed.shared.errors import (ChecksumMismatchError, LogEntryMismatchError,
-                                   NonFiniteScalarError)
-from seedfed.shared.replay import (LogEntry, apply_seeds, checksum, replay,
-                                   update_coefficients)
+from seedfed.shared.errors import ChecksumMismatchError, LogEntryMismatchError, NonFiniteScalarError
+from seedfed.shared.replay import LogEntry, apply_seeds, checksum, replay, update_coefficients
 from seedfed.shared.scopes import build_scope
 from seedfed.shared.wire import RoundPlan
 
 from .conftest import tiny_llama
 
-SETTINGS = settings(max_examples=8, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=8, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 seeds_st = st.integers(min_value=0, max_value=2**53 - 1)
 
 

@@ -1,9 +1,8 @@
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-
 from seedfed.shared.errors import MissingTensorError, ScopeError, UnknownScopeError
-from seedfed.shared.scopes import ScopedTensor, Scope, build_scope, scope_kinds
+from seedfed.shared.scopes import Scope, ScopedTensor, build_scope, scope_kinds
 
 from .conftest import tiny_llama
 

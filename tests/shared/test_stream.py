@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 import torch
-
 from seedfed.shared import stream
 from seedfed.shared.vectors import check_kat, committed_vectors, compute_vectors
 
@@ -9,7 +8,8 @@ from seedfed.shared.vectors import check_kat, committed_vectors, compute_vectors
 def _reference_z(seed: int, name: str, n: int) -> list[int]:
     """z from the pure-Python Philox and the contract's bit rule, independent of numpy."""
     tid = stream.tensor_id(name)
-    words = [w for j in range(-(-n // 256)) for w in stream.philox4x64_10((j + 1, 0, 0, 0), (seed, tid))]
+    blocks = [stream.philox4x64_10((j + 1, 0, 0, 0), (seed, tid)) for j in range(-(-n // 256))]
+    words = [w for b in blocks for w in b]
     return [1 - 2 * ((words[i // 64] >> (i % 64)) & 1) for i in range(n)]
 
 
@@ -70,7 +70,8 @@ def test_far_element_reachable_without_generating_prefix():
 
 
 def _reference_from_block(i: int, seed: int, name: str) -> int:
-    word = stream.philox4x64_10((i // 256 + 1, 0, 0, 0), (seed, stream.tensor_id(name)))[(i % 256) // 64]
+    block = stream.philox4x64_10((i // 256 + 1, 0, 0, 0), (seed, stream.tensor_id(name)))
+    word = block[(i % 256) // 64]
     return 1 - 2 * ((word >> (i % 64)) & 1)
 
 
@@ -79,7 +80,7 @@ def test_add_seeds_equals_sequential_naive_loop_bitwise():
     x = torch.randn(stream.CHUNK_ELEMENTS + 777, generator=gen)
     seeds, coefs = [4, 5, 6], [1e-3, -2.5e-4, 7.1e-5]
     expected = x.clone()
-    for s, c in zip(seeds, coefs):
+    for s, c in zip(seeds, coefs, strict=True):
         expected = expected + np.float32(c) * stream.rademacher(s, "w", x.numel())
     stream.add_seeds_(x, "w", seeds, coefs)
     assert torch.equal(x, expected)

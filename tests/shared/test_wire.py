@@ -1,11 +1,17 @@
 import numpy as np
 import pytest
 from pydantic import ValidationError
-
 from seedfed.shared.errors import NonFiniteScalarError, WireFormatError
 from seedfed.shared.replay import LogEntry
-from seedfed.shared.wire import (LogEntryWire, RoundPlan, Upload, decode_scalars, encode_scalars,
-                                 pack_binary, unpack_binary)
+from seedfed.shared.wire import (
+    LogEntryWire,
+    RoundPlan,
+    Upload,
+    decode_scalars,
+    encode_scalars,
+    pack_binary,
+    unpack_binary,
+)
 
 PLAN = RoundPlan(task_id="t", round=2, version=5, seeds=[[1, 2], [3, 4], [5, 6]], lr=1e-3,
                  eps=1e-3, batch_size=8)
