@@ -7,7 +7,9 @@ Floating-point undo is not exact (x + e - 2e + e != x in general), so a probe ei
 - `virtual`: leaves the stored tensors alone; a forward pre-hook on each owning module swaps
   in a perturbed temporary (tensor + scale * z) for the duration of that module's forward, so
   at most one tensor's temporary exists at a time. No persistent extra memory: right for the
-  full scope, where a stash would double the model.
+  full scope, where a stash would double the model. An nn.Embedding is not swapped at all: a
+  forward hook adds scale * z to the rows it looked up (same bits, a batch's rows instead of
+  the vocabulary; a tied LM head still gets the whole perturbed matrix).
 `auto` picks `copy` when the scope is under `COPY_FRACTION` of the model's parameters.
 """
 
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from .scopes import Scope, ScopedTensor
-from .stream import add_seeds_
+from .stream import add_seeds_, perturbed, rademacher_rows
 
 Mode = Literal["auto", "copy", "virtual"]
 MODES: tuple[str, ...] = ("auto", "copy", "virtual")
@@ -39,6 +41,8 @@ def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
 
 def perturbed_copy(t: ScopedTensor, seed: int, scale: float) -> torch.Tensor:
     """A new tensor equal to t.tensor + scale * z(seed) on the covered elements."""
+    if t.indices is None:  # whole tensor: one pass, no clone (same bits as clone + add)
+        return perturbed(t.tensor, t.name, seed, scale)
     out = t.tensor.detach().clone()
     add_seeds_(out, t.name, [seed], [scale], t.indices, t.compact)
     return out
@@ -99,20 +103,37 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
     depth: dict[int, int] = {}
     originals: dict[int, torch.Tensor] = {}
 
+    by_rows: dict[int, ScopedTensor] = {}  # embedding calls perturbed on their output rows
+
     def enter(module: nn.Module, _args: object) -> None:
-        for _attr, p in _owned(module, by_id):
+        for attr, p in _owned(module, by_id):
             key = id(p)
+            if depth.get(key, 0) == 0 and _rows_suffice(module, attr, by_id[key]):
+                by_rows[id(module)] = by_id[key]
+                continue
             depth[key] = depth.get(key, 0) + 1
             if depth[key] == 1:  # a tensor shared by nested owners is perturbed once
                 originals[key] = p.data
                 p.data = perturbed_copy(by_id[key], seed, scale)
 
-    def leave(module: nn.Module, _args: object, _out: object) -> None:
+    def leave(module: nn.Module, args: tuple[object, ...], out: object) -> object:
+        rows = by_rows.pop(id(module), None)
         for _attr, p in _owned(module, by_id):
+            if rows is not None and p is rows.tensor:
+                continue
             key = id(p)
             depth[key] -= 1
             if depth[key] == 0:
                 p.data = originals.pop(key)
+        if rows is None or not isinstance(out, torch.Tensor):
+            return None
+        # An embedding's output is W[ids] exactly, so fl(W[ids] + scale * z[ids]) is bit for bit
+        # the lookup into a perturbed copy, at the cost of the batch's rows, not the vocabulary.
+        ids = args[0]
+        assert isinstance(ids, torch.Tensor)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        delta = rademacher_rows(seed, rows.name, out.shape[-1], uniq.numpy(), scale)
+        return out + delta[inverse]
 
     modules = {id(m): m for pairs in owners.values() for m, _ in pairs}
     handles = []
@@ -127,6 +148,13 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
         for t in scope:  # a forward that raised midway must still leave theta untouched
             if id(t.tensor) in originals:
                 t.tensor.data = originals.pop(id(t.tensor))
+
+
+def _rows_suffice(module: nn.Module, attr: str, t: ScopedTensor) -> bool:
+    """An nn.Embedding reading its whole weight unchanged (no max_norm renormalization, which
+    writes to the weight) only needs the looked-up rows perturbed."""
+    return (type(module) is nn.Embedding and attr == "weight" and t.indices is None
+            and module.max_norm is None)
 
 
 def _owned(module: nn.Module, by_id: dict[int, ScopedTensor]) -> list[tuple[str, torch.Tensor]]:

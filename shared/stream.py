@@ -31,6 +31,8 @@ BLOCK_ELEMENTS = 256
 #: Elements expanded per chunk: 1 MiB of float32, small enough to stay in cache while every
 #: seed of a log entry is added to it, large enough that Python overhead is noise.
 CHUNK_ELEMENTS = 1 << 18
+assert CHUNK_ELEMENTS % BLOCK_ELEMENTS == 0  # chunks start on block boundaries (_add_dense)
+_MINUS_TWO, _ONE = np.int8(-2), np.int8(1)
 
 
 def tensor_id(name: str) -> int:
@@ -56,13 +58,17 @@ def _key(seed: int, tid: int) -> np.ndarray:
     return np.array([seed, tid], dtype=np.uint64)
 
 
-def stream_words(seed: int, tid: int, first_block: int, n_blocks: int) -> np.ndarray:
-    """Words of blocks [first_block, first_block + n_blocks) as little-endian uint64."""
+def _stream_gen(seed: int, tid: int, first_block: int) -> np.random.Philox:
+    """A numpy Philox whose next `random_raw` words are block `first_block` onwards."""
     # numpy's Philox increments its counter before each block, so starting it at `first_block`
     # yields the block at counter first_block + 1: exactly block `first_block` of our stream.
     counter = np.array([first_block, 0, 0, 0], dtype=np.uint64)
-    gen = np.random.Philox(counter=counter, key=_key(seed, tid))
-    return gen.random_raw(4 * n_blocks).astype("<u8", copy=False)
+    return np.random.Philox(counter=counter, key=_key(seed, tid))
+
+
+def stream_words(seed: int, tid: int, first_block: int, n_blocks: int) -> np.ndarray:
+    """Words of blocks [first_block, first_block + n_blocks) as little-endian uint64."""
+    return _stream_gen(seed, tid, first_block).random_raw(4 * n_blocks).astype("<u8", copy=False)
 
 
 def _mulhilo(a: int, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +113,55 @@ def _expand(words: np.ndarray, scale: float, n: int) -> torch.Tensor:
     return torch.nn.functional.embedding(idx, table).view(-1)[:n]
 
 
+def _signs_i8(words: np.ndarray) -> torch.Tensor:
+    """z as int8 +1/-1 for every element the words cover (element i = bit i of the LE bytes).
+
+    Cheaper than the float table gather of `_expand` (one SIMD unpack and two byte-wide passes
+    instead of a gather of 32-byte rows), and an int8 operand costs the add less memory traffic;
+    torch.add converts it to exactly +-1.0 in float32, so the sums are the same bits.
+    """
+    z = np.unpackbits(words.astype("<u8", copy=False).view(np.uint8), bitorder="little")
+    z = z.view(np.int8)
+    np.multiply(z, _MINUS_TWO, out=z)  # bit 0/1 -> 0/-2
+    np.add(z, _ONE, out=z)  # -> +1/-1
+    return torch.from_numpy(z)
+
+
+def _add_dense(dst: torch.Tensor, src: torch.Tensor, tid: int, seeds: Sequence[int],
+               scales: Sequence[float]) -> None:
+    """dst = src + scale * z(seed) for each seed in order, over flat float32 tensors of one
+    length (dst may be src). Each element sees exactly the additions of the naive loop."""
+    n = dst.numel()
+    if not seeds:
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        return
+    # One generator per seed for the whole tensor: every chunk but the last covers whole blocks
+    # (CHUNK_ELEMENTS is a multiple of BLOCK_ELEMENTS), so each generator simply continues at
+    # the next chunk's first block. Building a numpy Philox costs as much as a chunk's words.
+    gens = [_stream_gen(seed, tid, 0) for seed in seeds]
+    for start in range(0, n, CHUNK_ELEMENTS):
+        stop = min(n, start + CHUNK_ELEMENTS)
+        out, inp = dst[start:stop], src[start:stop]
+        n_blocks = -(-(stop - start) // BLOCK_ELEMENTS)
+        for gen, c in zip(gens, scales, strict=True):
+            z = _signs_i8(gen.random_raw(4 * n_blocks))[: stop - start]
+            # c * z is exact for z = +-1 (FMA or not), so this is one IEEE addition per element.
+            torch.add(inp, z, alpha=c, out=out)
+            inp = out
+
+
+def perturbed(x: torch.Tensor, name: str, seed: int, scale: float) -> torch.Tensor:
+    """A new float32 tensor x + scale * z(seed, name): the bits `add_seeds_` would give on a
+    copy, written in one pass instead of a clone followed by an in-place add."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name}: perturbation needs a float32 tensor, got {x.dtype}")
+    src = x.detach().contiguous()
+    out = torch.empty_like(src)
+    _add_dense(out.view(-1), src.view(-1), tensor_id(name), [seed], [float(np.float32(scale))])
+    return out
+
+
 def _check_range(numel: int, start: int, stop: int) -> None:
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"slice [{start}, {stop}) is outside a tensor of {numel} elements")
@@ -144,6 +199,31 @@ def rademacher_at(seed: int, name: str, indices: torch.Tensor | np.ndarray,
     return torch.from_numpy(np.float32(scale) * (np.float32(1.0) - np.float32(2.0) * signs))
 
 
+def rademacher_rows(seed: int, name: str, row_len: int, rows: torch.Tensor | np.ndarray,
+                    scale: float = 1.0) -> torch.Tensor:
+    """scale * z of whole rows of a row-major (n_rows, row_len) tensor: shape (len(rows), row_len).
+
+    Costs only the blocks the rows touch (an embedding lookup needs the rows of the batch's
+    tokens, not the whole vocabulary); element (r, j) is element r * row_len + j of the stream.
+    """
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if row_len < 1:
+        raise ValueError(f"row length must be >= 1, got {row_len}")
+    if r.size == 0:
+        return torch.zeros((0, row_len), dtype=torch.float32)
+    if r.min() < 0:
+        raise ValueError(f"negative row index {int(r.min())}")
+    starts = r * row_len
+    first = starts // BLOCK_ELEMENTS
+    span = -(-row_len // BLOCK_ELEMENTS) + 1  # blocks a row can touch when it starts mid-block
+    blocks = first[:, None] + np.arange(span, dtype=np.int64)
+    words = stream_words_at(seed, tensor_id(name), blocks.reshape(-1)).astype("<u8", copy=False)
+    bits = np.unpackbits(words.view(np.uint8).reshape(r.size, -1), axis=1, bitorder="little")
+    cols = (starts - first * BLOCK_ELEMENTS)[:, None] + np.arange(row_len, dtype=np.int64)
+    signs = np.take_along_axis(bits, cols, axis=1).astype(np.float32)
+    return torch.from_numpy(np.float32(scale) * (np.float32(1.0) - np.float32(2.0) * signs))
+
+
 def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence[float],
                indices: torch.Tensor | None = None, compact: bool = False) -> None:
     """x += coef * z(seed, name) for each (seed, coef) in order, in place, bit-exact.
@@ -171,14 +251,7 @@ def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence
             else:
                 flat.index_add_(0, indices, rademacher_at(seed, name, indices, c))
         return
-    n = flat.numel()
-    for start in range(0, n, CHUNK_ELEMENTS):
-        stop = min(n, start + CHUNK_ELEMENTS)
-        part = flat[start:stop]
-        first, n_blocks = start // BLOCK_ELEMENTS, -(-(stop - start) // BLOCK_ELEMENTS)
-        for seed, c in zip(seeds, scales, strict=True):
-            words = stream_words(seed, tid, first, n_blocks)
-            part.add_(_expand(words, c, stop - start))
+    _add_dense(flat, flat, tid, seeds, scales)
 
 
 def gaussian(seed: int, name: str, numel: int) -> torch.Tensor:

@@ -62,3 +62,19 @@ def test_auto_mode_picks_copy_for_small_scopes(llama):
     assert resolve_mode(build_scope("full", llama), "auto") == "virtual"
     with pytest.raises(ValueError, match="mode"):
         resolve_mode(build_scope("full", llama), "lazy")  # type: ignore[arg-type]
+
+
+def test_virtual_probe_perturbs_embedding_rows_without_swapping_the_weight(llama):
+    scope = build_scope("full", llama)
+    emb = llama.model.embed_tokens
+    ids = torch.tensor([[3, 1, 3, 95]])
+    z = rademacher(4, "model.embed_tokens.weight", emb.weight.numel()).view_as(emb.weight)
+    expected = torch.nn.functional.embedding(ids, emb.weight.detach() + 0.125 * z)
+    seen = {}
+    hook = emb.register_forward_hook(
+        lambda m, a, o: seen.update(ptr=m.weight.data_ptr()))
+    with Perturber(scope, "virtual").probe(seed=4, scale=0.125):
+        got = emb(ids)
+    hook.remove()
+    assert seen["ptr"] == emb.weight.data_ptr()  # the stored matrix was never swapped
+    assert torch.equal(got, expected)

@@ -109,3 +109,21 @@ def test_z_is_balanced_and_seed_dependent():
     b = stream.rademacher(2, "w", 100_000)
     assert abs(float(a.mean())) < 0.02
     assert float((a * b).mean()) < 0.02
+
+
+@pytest.mark.parametrize("row_len", [1, 7, 256, 300, 576])
+def test_rademacher_rows_equal_rows_of_the_whole_tensor(row_len):
+    n_rows = 40
+    whole = stream.rademacher(11, "emb", n_rows * row_len, scale=0.25).view(n_rows, row_len)
+    rows = np.array([39, 0, 5, 5, 17])
+    got = stream.rademacher_rows(11, "emb", row_len, rows, scale=0.25)
+    assert torch.equal(got, whole[torch.from_numpy(rows)])
+
+
+def test_perturbed_equals_clone_then_add_seeds_bitwise():
+    x = torch.randn(stream.CHUNK_ELEMENTS + 301, generator=torch.Generator().manual_seed(4))
+    expected = x.clone()
+    stream.add_seeds_(expected, "w", [12345], [3e-3])
+    got = stream.perturbed(x, "w", 12345, 3e-3)
+    assert torch.equal(got, expected)
+    assert got.data_ptr() != x.data_ptr()

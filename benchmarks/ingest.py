@@ -1,0 +1,241 @@
+"""Upload ingestion throughput and latency of the coordinator on loopback.
+
+Issue 3 target: >= 1,000 uploads/s sustained from 200 concurrent clients, p99 < 100 ms, on
+SQLite; PostgreSQL reported too. The coordinator runs as a real `seedfed coordinator` process
+(uvicorn); the clients are httpx async clients in separate processes (so client and server
+do not share an interpreter), each upload a distinct enrolled device's JSON `Upload` of
+`--seeds` scalars to the open round, every answer checked for 200, and the stored count
+checked at the end.
+
+    python benchmarks/ingest.py --db sqlite postgres --json runs/ingest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PG_URL = os.environ.get("SEEDFED_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+ADMIN = "bench-admin-token-" + "x" * 16
+
+
+def tiny_model(path: Path) -> Path:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "negative", "positive"]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        BertForSequenceClassification(BertConfig(
+            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64)).save_pretrained(path)
+    return path
+
+
+def fresh_pg_database() -> tuple[str, Any]:
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"seedfed_bench_{secrets.token_hex(4)}"
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    return url, drop
+
+
+def prepare(url: str, store: Path, model: Path, n: int, seeds: int) -> tuple[str, list[str],
+                                                                             list[str]]:
+    """Task, n enrolled devices, an open round; returns (task_id, tokens, upload bodies)."""
+    from seedfed.server import service
+    from seedfed.server.coordinator import Coordinator
+    from seedfed.server.settings import Settings
+    from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
+    from seedfed.shared.wire import Upload
+
+    spec = TaskSpec(model_path=str(model), label_texts=("negative", "positive"),
+                    lora=LoraOptions(r=2), hyper=Hyper(steps=1, perturbations=seeds))
+    with Coordinator.open(Settings(database_url=url, store_dir=store,
+                                   admin_token=ADMIN)) as c:
+        task_id = c.create_task(spec, quorum=10 * n, round_timeout_s=3600)
+        tokens = [service.enroll_device(c.rt, task_id=task_id, join_token=None)[1]
+                  for _ in range(n)]
+        plan = c.open_round(task_id)
+    rng = np.random.default_rng(0)
+    bodies = [Upload.build(plan, rng.normal(size=(1, seeds)), 16, 0.6).model_dump_json()
+              for _ in range(n)]
+    return task_id, tokens, bodies
+
+
+def client_proc(base: str, task_id: str, work: list[tuple[str, str]], concurrency: int,
+                start_at: float, out: Any) -> None:
+    import httpx
+
+    async def run() -> tuple[list[float], int, float, float]:
+        lat: list[float] = []
+        bad = 0
+        queue = list(reversed(work))
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+            url = f"/v1/tasks/{task_id}/rounds/1/uploads"
+            while time.time() < start_at:
+                await asyncio.sleep(0.001)
+            t_start = time.time()
+
+            async def worker() -> None:
+                nonlocal bad
+                while queue:
+                    token, body = queue.pop()
+                    t0 = time.perf_counter()
+                    r = await client.post(url, content=body, headers={
+                        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+                    lat.append(time.perf_counter() - t0)
+                    bad += r.status_code != 200
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return lat, bad, t_start, time.time()
+
+    out.put(asyncio.run(run()))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bench(backend: str, args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    import httpx
+
+    drop = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if backend == "sqlite":
+            url = f"sqlite:///{Path(tmp) / 'coordinator.db'}"
+        else:
+            url, drop = fresh_pg_database()
+        try:
+            t0 = time.perf_counter()
+            task_id, tokens, bodies = prepare(url, Path(tmp) / "store", model, args.uploads,
+                                              args.seeds)
+            setup_s = time.perf_counter() - t0
+            port = free_port()
+            env = {**os.environ, "SEEDFED_INGEST_BATCH": str(args.batch)}
+            log_path = Path(args.json).with_suffix(f".{backend}.server.log")
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(log_path, "wb")  # noqa: SIM115 (closed after the server exits)
+            server = subprocess.Popen(
+                [sys.executable, "-c", "from seedfed.cli import main; main()", "coordinator",
+                 "--db", url, "--store", str(Path(tmp) / "store"), "--admin-token", ADMIN,
+                 "--host", "127.0.0.1", "--port", str(port)], env=env,
+                stdout=log, stderr=subprocess.STDOUT)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                deadline = time.time() + 60
+                while True:
+                    try:
+                        if httpx.get(base + "/readyz").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.time() > deadline or server.poll() is not None:
+                        raise RuntimeError(f"coordinator did not start, see {log_path}")
+                    time.sleep(0.2)
+                work = list(zip(tokens, bodies, strict=True))
+                ctx = mp.get_context("spawn")
+                q = ctx.Queue()
+                per = args.clients // args.client_procs
+                start_at = time.time() + 3.0
+                procs = [ctx.Process(target=client_proc, args=(
+                    base, task_id, work[i::args.client_procs], per, start_at, q))
+                    for i in range(args.client_procs)]
+                for p in procs:
+                    p.start()
+                cpu0 = cpu_seconds(server.pid)
+                results = [q.get(timeout=600) for _ in procs]
+                server_cpu = cpu_seconds(server.pid) - cpu0
+                for p in procs:
+                    p.join()
+                stats = httpx.get(f"{base}/v1/tasks/{task_id}/stats",
+                                  headers={"Authorization": f"Bearer {ADMIN}"}).json()
+            finally:
+                server.terminate()
+                server.wait(timeout=30)
+                log.close()
+        finally:
+            if drop is not None:
+                drop()
+    lat = sorted(x for r in results for x in r[0])
+    wall = max(r[3] for r in results) - min(r[2] for r in results)
+    stored = stats["rounds"][0]["participants"]
+    return {
+        "backend": backend, "uploads": len(lat), "clients": per * args.client_procs,
+        "client_processes": args.client_procs, "scalars_per_upload": args.seeds,
+        "errors": sum(r[1] for r in results), "stored": stored, "wall_s": wall,
+        "uploads_per_s": len(lat) / wall, "p50_ms": 1e3 * statistics.median(lat),
+        "p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "max_ms": 1e3 * lat[-1],
+        "setup_s": setup_s, "body_bytes": len(bodies[0]),
+        # CPU the server spent per upload: its capacity on one free core, whatever the load of
+        # the (shared) machine during the run
+        "server_cpu_ms_per_upload": 1e3 * server_cpu / len(lat),
+        "server_capacity_per_core": len(lat) / server_cpu if server_cpu else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", nargs="+", default=["sqlite", "postgres"],
+                    choices=["sqlite", "postgres"])
+    ap.add_argument("--uploads", type=int, default=6000)
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=20, help="scalars per upload")
+    ap.add_argument("--batch", type=int, default=256, help="most uploads per commit")
+    ap.add_argument("--json", type=Path, default=Path("runs/ingest.json"))
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model(Path(tmp) / "model")
+        rows = [bench(b, args, model) for b in args.db]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                                     "target": ">= 1000 uploads/s, p99 < 100 ms (SQLite)",
+                                     "results": rows}, indent=2))
+    print(f"{'backend':<10}{'uploads':>8}{'errors':>7}{'stored':>7}{'up/s':>9}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'srv cpu ms/up':>15}")
+    for r in rows:
+        print(f"{r['backend']:<10}{r['uploads']:>8}{r['errors']:>7}{r['stored']:>7}"
+              f"{r['uploads_per_s']:>9.0f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+              f"{r['max_ms']:>9.1f}{r['server_cpu_ms_per_upload']:>15.3f}")
+    print(f"(load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""A device's private data: where it comes from, its non-IID share, its local score.
+
+Every device derives the same split and the same Dirichlet partition of the same source from the
+same seed and keeps only its own share; nothing about the data leaves the device. Used by both
+device front ends (Flower ClientApp and plain HTTP) and by the simulation's evaluator, so they
+carve identical splits. No Flower import here: an HTTP-only device does not need flwr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from seedfed.client import data as data_mod
+from seedfed.shared.models import ModelBundle
+
+#: Local held-out examples a device scores in the sync phase (at most).
+MAX_LOCAL_EVAL = 64
+
+
+@dataclass(frozen=True)
+class DeviceData:
+    """Where a device's private examples come from. Overridable per node by node_config keys
+    `data`, `partition-id`, `num-partitions`, `alpha`, `data-seed`, `local-eval`."""
+
+    source: str = "builtin"  # "builtin" (generated preference task) or a TSV/JSONL path
+    partition_id: int = 0
+    num_partitions: int = 1
+    alpha: float = 0.5
+    seed: int = 0
+    local_eval_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.num_partitions < 1:
+            raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
+        if not 0 <= self.partition_id < self.num_partitions:
+            raise ValueError(f"partition_id {self.partition_id} is outside "
+                             f"[0, {self.num_partitions})")
+        if not self.alpha > 0:
+            raise ValueError(f"Dirichlet alpha must be positive, got {self.alpha}")
+        if not 0 <= self.local_eval_fraction < 1:
+            raise ValueError(f"local_eval_fraction must be in [0, 1), got "
+                             f"{self.local_eval_fraction}")
+
+    def with_node_config(self, cfg: Mapping[str, Any]) -> DeviceData:
+        """This configuration with the node's own settings applied (the node's word wins)."""
+        keys = {"data": ("source", str), "partition-id": ("partition_id", int),
+                "num-partitions": ("num_partitions", int), "alpha": ("alpha", float),
+                "data-seed": ("seed", int), "local-eval": ("local_eval_fraction", float)}
+        changes = {field: cast(cfg[key]) for key, (field, cast) in keys.items() if key in cfg}
+        return replace(self, **changes)
+
+
+def load_device_examples(data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
+    """The device's (train, local held-out) examples: its Dirichlet share of the training split.
+
+    Every device derives the same partition of the same file from the same seed and keeps only
+    its own share; nothing about the data is sent anywhere.
+    """
+    train = _training_split(data.source)
+    parts = data_mod.dirichlet_partition(train.labels, data.num_partitions, data.alpha,
+                                         np.random.default_rng(data.seed), min_size=2)
+    mine = train.subset(parts[data.partition_id])
+    n_eval = min(MAX_LOCAL_EVAL, int(len(mine) * data.local_eval_fraction))
+    order = np.random.default_rng([data.seed, data.partition_id]).permutation(len(mine))
+    return mine.subset(np.sort(order[n_eval:])), mine.subset(np.sort(order[:n_eval]))
+
+
+def _training_split(source: str) -> data_mod.Examples:
+    return dataset_splits(source).train
+
+
+def dataset_splits(source: str) -> data_mod.Splits:
+    """The fixed train/validation/test split of a data source, the same on every device and
+    in the evaluator: SST-2-sized files keep `data.split`'s sizes, small files a 10%/20% cut."""
+    if source == "builtin":
+        from seedfed.client import preference
+
+        return data_mod.Splits(train=preference.preference_examples(4000, seed=1),
+                               validation=preference.preference_examples(500, seed=2),
+                               test=preference.preference_examples(1000, seed=3))
+    examples = data_mod.load_labelled(source)
+    n = len(examples)
+    return data_mod.split(examples, validation=min(1000, n // 10), test=min(2000, n // 5))
+
+
+
+@torch.no_grad()
+def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
+                   batch_size: int = 32) -> tuple[float, float]:
+    """(accuracy, mean loss) of the model on labelled examples; (0, 0) for none."""
+    if len(examples) == 0:
+        return 0.0, 0.0
+    correct, loss_sum = 0, 0.0
+    for batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
+                                       bundle.spec.max_seq_len):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = bundle.model(**inputs).logits.float()
+        loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"],
+                                                            reduction="sum"))
+        correct += int((logits.argmax(-1) == batch["labels"]).sum())
+    return correct / len(examples), loss_sum / len(examples)

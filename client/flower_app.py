@@ -1,0 +1,208 @@
+"""The device as a Flower ClientApp (Message API): catch up, train on private data, reply scalars.
+
+Wire contract with the ServerApp strategy (`seedfed.server.flower_strategy`), one ConfigRecord
+under the key "seedfed" in each direction:
+
+- TRAIN message: `plan` (RoundPlan JSON); `entries` (JSON list of LogEntryWire) to catch up from
+  the device's last known version, or `snapshot` (safetensors bytes) with `snapshot-version` and
+  `snapshot-checksum`; `task` (TaskSpec JSON) only when the device is new or re-syncing.
+- TRAIN reply: `g` (the scalar matrix, `shared.wire.pack_binary`), `n` (example count), `loss`.
+  Nothing else leaves the device.
+- EVALUATE message ("sync"): the same catch-up keys plus `version` and `checksum` of the target.
+- EVALUATE reply: `version` and `checksum` the device now holds, and a MetricRecord with its
+  local held-out `accuracy`, `loss` and `num-examples`.
+
+A device that cannot reach the target (gap in the log, checksum mismatch) raises; Flower turns
+that into an error reply and the strategy sends it a snapshot next time.
+
+Node config (`flower-supernode --node-config`): `data`, `partition-id`, `num-partitions`,
+`alpha`, `data-seed`, `local-eval` (see DeviceData) and `model`, the device's own copy of the
+base model (default: the task's `model_path`).
+
+State: the device's own trainable state, version and checksum live in the node's Context
+(Flower keeps it between rounds, in simulation and on a SuperNode). The frozen base model,
+tokenizer and data partition are cached per process: a simulation's Ray actor loads them once
+and only swaps the small trainable state between the virtual devices it serves. A SuperNode
+of flwr 1.42 starts a fresh `flwr-clientapp` process per message, so there the model is
+loaded per message and only the Context persists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from seedfed.client import data as data_mod
+from seedfed.client.device_data import DeviceData, load_device_examples, local_accuracy
+from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
+from seedfed.client.trainer import LocalTrainer, classification_loss
+from seedfed.shared.errors import SeedfedError
+from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.replay import checksum
+from seedfed.shared.task import TaskSpec
+from seedfed.shared.wire import LogEntryWire, RoundPlan, pack_binary
+
+log = logging.getLogger(__name__)
+
+#: Key of the ConfigRecord carrying seedfed's payload in every message and reply.
+RECORD = "seedfed"
+#: Key of the device's persistent state in `Context.state`.
+STATE = "seedfed.device"
+
+
+class DeviceStateError(SeedfedError, RuntimeError):
+    """The device cannot reach the requested version with what it holds and was sent."""
+
+
+@dataclass
+class _Loaded:
+    """A model of one task in this process and the device state it currently holds."""
+
+    bundle: ModelBundle
+    trainer: LocalTrainer
+    version: int = -1
+    checksum: str = ""
+
+
+class DeviceRuntime:
+    """Per-process cache of models (by task) and data partitions (by configuration)."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, _Loaded] = {}
+        self._data: dict[DeviceData, tuple[data_mod.Examples, data_mod.Examples]] = {}
+
+    def model(self, task_id: str, spec_json: str, local_model: str | None = None) -> _Loaded:
+        """The task's model; `local_model` is this device's own copy of the base weights
+        (node_config `model`), used instead of the coordinator's `model_path`."""
+        key = (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
+               + (local_model or ""))
+        if key not in self._models:
+            spec = TaskSpec.from_dict(json.loads(spec_json))
+            if local_model:
+                spec = replace(spec, model_path=local_model)
+            if spec.model_kind != "seq_cls":
+                raise DeviceStateError(f"the Flower device trains seq_cls tasks, task {task_id} "
+                                       f"is {spec.model_kind}")
+            bundle = build_model(spec, initialize=False)
+            trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
+            self._models = {key: _Loaded(bundle, trainer)}  # one task per device at a time
+        return self._models[key]
+
+    def examples(self, data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
+        if data not in self._data:
+            self._data[data] = load_device_examples(data)
+        return self._data[data]
+
+
+RUNTIME = DeviceRuntime()
+
+
+def _stored(context: Context) -> ConfigRecord | None:
+    return context.state.config_records.get(STATE)
+
+
+def sync_device(payload: ConfigRecord, context: Context, target: int) -> tuple[_Loaded, SyncResult]:
+    """Bring this node's model to `target` from its stored state, a snapshot or log entries,
+    and remember the result in the node's Context."""
+    stored = _stored(context)
+    task_id = str(payload["task-id"])
+    spec_json = payload.get("task") or (stored.get("task") if stored is not None else None)
+    if spec_json is None:
+        raise DeviceStateError(f"device knows nothing of task {task_id}; send the task and a "
+                               "snapshot")
+    local_model = context.node_config.get("model")
+    loaded = RUNTIME.model(task_id, str(spec_json), str(local_model) if local_model else None)
+    scope = loaded.bundle.scope
+    method = "none"
+    if "snapshot" in payload:
+        version = int(payload["snapshot-version"])  # type: ignore[arg-type]
+        got = load_state(scope, bytes(payload["snapshot"]),  # type: ignore[arg-type]
+                         str(payload["snapshot-checksum"]))
+        loaded.version, loaded.checksum, method = version, got, "snapshot"
+    elif stored is not None and stored.get("task-id") == task_id:
+        version = int(stored["version"])  # type: ignore[arg-type]
+        if (loaded.version, loaded.checksum) != (version, stored["checksum"]):
+            loaded.checksum = load_state(scope, bytes(stored["state"]),  # type: ignore[arg-type]
+                                         str(stored["checksum"]))
+            loaded.version = version
+    else:
+        raise DeviceStateError(f"device holds no state of task {task_id} and got no snapshot")
+    entries = [LogEntryWire.model_validate_json(e).to_entry()
+               for e in json.loads(str(payload.get("entries", "[]")))]
+    try:
+        result = catch_up(scope, task_id=task_id, version=loaded.version, entries=entries,
+                          target=target)
+    except SeedfedError:
+        loaded.version, loaded.checksum = -1, ""  # the process copy is no longer trusted
+        raise
+    if result.method == "none" and method == "snapshot":
+        result = SyncResult(result.version, result.checksum, "snapshot")
+    changed = stored is None or result.version != int(stored["version"])  # type: ignore[arg-type]
+    loaded.version, loaded.checksum = result.version, result.checksum
+    if changed or method == "snapshot":
+        context.state[STATE] = ConfigRecord({
+            "task-id": task_id, "task": str(spec_json), "version": result.version,
+            "checksum": result.checksum, "state": state_bytes(scope)})
+    return loaded, result
+
+
+def train(message: Message, context: Context, data: DeviceData) -> Message:
+    payload = message.content.config_records[RECORD]
+    plan = RoundPlan.model_validate_json(str(payload["plan"]))
+    loaded, _ = sync_device(payload, context, plan.version)
+    mine = data.with_node_config(context.node_config)
+    train_set, _ = RUNTIME.examples(mine)
+    spec = loaded.bundle.spec
+    rng = np.random.default_rng([mine.seed, mine.partition_id, plan.round])
+    batches = data_mod.train_batches(train_set, loaded.bundle.tokenizer, plan.batch_size,
+                                     spec.max_seq_len, rng)
+    result = loaded.trainer.run(plan, batches)
+    if checksum(loaded.bundle.scope) != loaded.checksum:  # the trainer must have put v back
+        loaded.version, loaded.checksum = -1, ""
+        raise DeviceStateError(f"local steps did not restore v{plan.version} exactly")
+    reply = ConfigRecord({"g": pack_binary(result.scalars), "n": int(result.num_examples),
+                          "loss": float(result.loss)})
+    return Message(RecordDict({RECORD: reply}), reply_to=message)
+
+
+def evaluate(message: Message, context: Context, data: DeviceData) -> Message:
+    """The sync phase: catch up to the new version, verify it, score the local held-out set."""
+    payload = message.content.config_records[RECORD]
+    loaded, result = sync_device(payload, context, int(payload["version"]))  # type: ignore[arg-type]
+    if result.checksum != payload["checksum"]:
+        raise DeviceStateError(f"device reached v{result.version} with checksum "
+                               f"{result.checksum[:16]}..., coordinator has "
+                               f"{str(payload['checksum'])[:16]}...")
+    _, local_eval = RUNTIME.examples(data.with_node_config(context.node_config))
+    acc, loss = local_accuracy(loaded.bundle, local_eval)
+    content = RecordDict({
+        RECORD: ConfigRecord({"version": result.version, "checksum": result.checksum}),
+        "metrics": MetricRecord({"accuracy": acc, "loss": loss,
+                                 "num-examples": max(len(local_eval), 1)}),
+    })
+    return Message(content, reply_to=message)
+
+
+def make_client_app(data: DeviceData | None = None) -> ClientApp:
+    """A ClientApp whose devices read their data per `data`, overridden by node_config."""
+    defaults = data or DeviceData()
+    app = ClientApp()
+
+    @app.train()
+    def _train(message: Message, context: Context) -> Message:
+        return train(message, context, defaults)
+
+    @app.evaluate()
+    def _evaluate(message: Message, context: Context) -> Message:
+        return evaluate(message, context, defaults)
+
+    return app
+
+
+#: The ClientApp a SuperNode loads (`seedfed.client.flower_app:app`); data from node_config.
+app = make_client_app()

@@ -1,0 +1,207 @@
+"""`seedfed bench core`: memory, step time and replay throughput of the ZO core, side by side.
+
+Every memory figure comes from its own subprocess (`core_worker`) so one measurement's freed
+pages or allocator state cannot hide another's peak; the timing runs interleave their variants
+inside one process so background load on the shared CPUs hits them alike. The result is a flat
+JSON object (the keys issue 2 names plus ratios, target verdicts and raw samples) and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .core_setup import shape_named
+
+MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
+MEMORY_PARALLEL = 2
+
+#: Targets of issue 2: (result key, comparison, limit, what it means).
+TARGETS: tuple[tuple[str, str, float, str], ...] = (
+    ("zo_vs_inference_mem", "<=", 1.05, "ZO step peak memory / inference peak"),
+    ("zo_step_vs_forward", "<=", 2.2, "ZO step time / one forward pass"),
+    ("replay_vs_mezo", ">=", 4.0, "replay throughput / MeZO torch normal_ regeneration"),
+    ("replay_vs_axpy", ">=", 0.5, "replay throughput / fp32 axpy (bandwidth limit)"),
+)
+
+
+@dataclass(frozen=True)
+class CoreBenchConfig:
+    """Sizes of one run. `quick` uses the small Llama and a smaller replay tensor."""
+
+    quick: bool = False
+    repeats: int = 5
+    replay_numel: int = 1 << 24
+    replay_seeds: int = 20
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.replay_numel < 1 or self.replay_seeds < 1:
+            raise ValueError(f"replay needs a tensor and seeds, got numel {self.replay_numel}, "
+                             f"seeds {self.replay_seeds}")
+
+    @classmethod
+    def preset(cls, quick: bool, repeats: int | None = None,
+               threads: int | None = None) -> CoreBenchConfig:
+        if quick:
+            return cls(quick=True, repeats=repeats or 3, replay_numel=1 << 22, threads=threads)
+        return cls(quick=False, repeats=repeats or 5, threads=threads)
+
+    @property
+    def shape(self) -> str:
+        return "quick" if self.quick else "full"
+
+
+def _worker(config: CoreBenchConfig, kind: str, timeout: float = 1800) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
+    args = [kind, "--shape", config.shape, "--repeats", config.repeats, "--numel",
+            config.replay_numel, "--seeds", config.replay_seeds, "--threads", config.threads or 0]
+    cmd = [sys.executable, "-m", "seedfed.bench.core_worker", *map(str, args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker {kind} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def run_core(config: CoreBenchConfig, progress: Any = None) -> dict[str, Any]:
+    """Run every measurement and return the flat result object."""
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    started = time.time()
+    # Peaks are per process, so two memory workers may run at once (halving the wall time on
+    # two cores); the timing workers below run alone.
+    say("peak memory: inference, ZO (virtual, copy), SGD, AdamW")
+    with ThreadPoolExecutor(max_workers=MEMORY_PARALLEL) as pool:
+        memory = dict(zip(MEMORY_KINDS, pool.map(lambda k: _worker(config, k), MEMORY_KINDS),
+                          strict=True))
+    say("time: forward vs ZO step")
+    speed = _worker(config, "speed")
+    say("replay throughput")
+    replay = _worker(config, "replay")
+
+    inference = memory["inference"]
+    result: dict[str, Any] = {
+        "shape": shape_named(config.shape).to_dict(),
+        "quick": config.quick,
+        "repeats": config.repeats,
+        "inference_peak_mb": inference["peak_mb"],
+        "zo_step_peak_mb": memory["zo_virtual"]["peak_mb"],
+        "zo_step_copy_peak_mb": memory["zo_copy"]["peak_mb"],
+        "sgd_peak_mb": memory["sgd"]["peak_mb"],
+        "adamw_peak_mb": memory["adamw"]["peak_mb"],
+        "baseline_mb": inference["baseline_mb"],
+        "forward_s": speed["forward_s"],
+        "zo_step_s": speed["zo_step_s"],
+        "zo_step_copy_s": speed["zo_step_copy_s"],
+        "replay_mparam_s": replay["replay_mparam_s"],
+        "mezo_replay_mparam_s": replay["mezo_replay_mparam_s"],
+        "axpy_mparam_s": replay["axpy_mparam_s"],
+        "replay_numel": replay["numel"],
+        "replay_seeds": replay["seeds"],
+    }
+    for kind, key in (("zo_virtual", "zo_vs_inference_mem"),
+                      ("zo_copy", "zo_copy_vs_inference_mem"),
+                      ("sgd", "sgd_vs_inference_mem"), ("adamw", "adamw_vs_inference_mem")):
+        result[key] = _ratio(memory[kind]["peak_mb"], inference["peak_mb"])
+    result["zo_step_vs_forward"] = _ratio(speed["zo_step_s"], speed["forward_s"])
+    result["zo_step_copy_vs_forward"] = _ratio(speed["zo_step_copy_s"], speed["forward_s"])
+    result["replay_vs_mezo"] = _ratio(replay["replay_mparam_s"], replay["mezo_replay_mparam_s"])
+    result["replay_vs_axpy"] = _ratio(replay["replay_mparam_s"], replay["axpy_mparam_s"])
+    result["targets"] = {
+        key: {"limit": f"{op} {limit}", "value": result[key],
+              "met": result[key] <= limit if op == "<=" else result[key] >= limit, "what": what}
+        for key, op, limit, what in TARGETS
+    }
+    result["memory_detail"] = memory
+    result["time_samples"] = {"speed": speed["samples"], "replay": replay["samples"]}
+    result["env"] = {"python": platform.python_version(), "machine": platform.machine(),
+                     "cpus": os.cpu_count(), "threads": speed["threads"],
+                     "loadavg_end": os.getloadavg(), "wall_s": time.time() - started}
+    return result
+
+
+def render(result: dict[str, Any]) -> Any:
+    """A rich table of the figures, ratios and target verdicts."""
+    from rich.table import Table
+
+    shape = result["shape"]
+    table = Table(title=f"seedfed core benchmark: {shape['name']} "
+                        f"(batch {shape['batch']} x {shape['seq_len']})")
+    for col, justify in (("measure", "left"), ("value", "right"), ("vs reference", "right"),
+                         ("target", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    targets = result["targets"]
+
+    def verdict(key: str) -> str:
+        t = targets.get(key)
+        if t is None:
+            return ""
+        return f"{t['limit']} {'[green]met[/]' if t['met'] else '[red]MISSED[/]'}"
+
+    rows = [
+        ("inference peak", f"{result['inference_peak_mb']:.0f} MB", "1.00 x inference", ""),
+        ("ZO step peak (virtual)", f"{result['zo_step_peak_mb']:.0f} MB",
+         f"{result['zo_vs_inference_mem']:.3f} x", verdict("zo_vs_inference_mem")),
+        ("ZO step peak (copy)", f"{result['zo_step_copy_peak_mb']:.0f} MB",
+         f"{result['zo_copy_vs_inference_mem']:.3f} x", ""),
+        ("SGD step peak", f"{result['sgd_peak_mb']:.0f} MB",
+         f"{result['sgd_vs_inference_mem']:.2f} x", ""),
+        ("AdamW step peak", f"{result['adamw_peak_mb']:.0f} MB",
+         f"{result['adamw_vs_inference_mem']:.2f} x", ""),
+        ("forward pass", f"{result['forward_s'] * 1e3:.0f} ms", "1.00 x forward", ""),
+        ("ZO step (virtual)", f"{result['zo_step_s'] * 1e3:.0f} ms",
+         f"{result['zo_step_vs_forward']:.2f} x", verdict("zo_step_vs_forward")),
+        ("ZO step (copy)", f"{result['zo_step_copy_s'] * 1e3:.0f} ms",
+         f"{result['zo_step_copy_vs_forward']:.2f} x", ""),
+        ("replay (seed stream)", f"{result['replay_mparam_s']:.0f} Mparam/s",
+         f"{result['replay_vs_mezo']:.1f} x MeZO", verdict("replay_vs_mezo")),
+        ("", "", f"{result['replay_vs_axpy']:.2f} x axpy", verdict("replay_vs_axpy")),
+        ("MeZO regeneration", f"{result['mezo_replay_mparam_s']:.0f} Mparam/s", "", ""),
+        ("fp32 axpy", f"{result['axpy_mparam_s']:.0f} Mparam/s", "", ""),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def main(quick: bool = False, json_path: Path | None = None, repeats: int | None = None,
+         threads: int | None = None) -> int:
+    """Run, print the table, write JSON; returns the number of missed targets (not an error)."""
+    from rich.console import Console
+
+    console = Console()
+    config = CoreBenchConfig.preset(quick, repeats, threads)
+    with console.status("core benchmark") as status:
+        result = run_core(config, progress=lambda msg: status.update(f"core benchmark: {msg}"))
+    console.print(render(result))
+    if json_path is not None:
+        write_json(result, json_path)
+        console.print(f"wrote {json_path}")
+    return sum(not t["met"] for t in result["targets"].values())

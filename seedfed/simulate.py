@@ -1,0 +1,392 @@
+"""`seedfed simulate`: a coordinator and a fleet of virtual devices on Flower's Simulation Engine.
+
+The glue above both sides: it opens a coordinator (SQLite in the run directory by default),
+creates the task, and runs the ServerApp strategy against N virtual devices running the
+ClientApp on Flower's Simulation Engine. After every round it scores the committed version on a
+held-out test split (the devices never see it) and updates a progress bar. At the end the run
+directory holds `report.json`, `report.png`, `task.json` and `snapshots/v{N}.safetensors`, which
+`seedfed evaluate --run DIR` scores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from seedfed.shared.task import TaskSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATA = "builtin"
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    out: Path
+    devices: int = 10
+    rounds: int = 30
+    steps: int | None = None  # None: the recipe's
+    perturbations: int | None = None
+    model: str | None = None  # a local Hugging Face directory; None: pretrained MiniLM
+    data: str = DEFAULT_DATA  # "builtin" (the generated preference task) or a TSV/JSONL path
+    alpha: float = 0.5
+    scope: str = "head"  # "head" (the recipe's head-only scope), "lora", "full", ...
+    seed: int = 0
+    db: str | None = None  # database URL; None: SQLite in the run directory
+    devices_per_round: int | None = None
+    lr: float | None = None  # None: the task default for the dataset
+    eps: float | None = None
+    batch_size: int | None = None
+    eval_size: int = 400  # held-out test examples scored after every round
+    cpus: int = 2  # CPUs the Simulation Engine may use (one virtual device per CPU at a time)
+    sync_after_round: bool = True
+    round_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "rounds", "steps", "perturbations", "cpus"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.alpha > 0:
+            raise ValueError(f"Dirichlet alpha must be positive, got {self.alpha}")
+        if self.eval_size < 0:
+            raise ValueError(f"eval_size must be >= 0, got {self.eval_size}")
+        if self.devices_per_round is not None and not 1 <= self.devices_per_round <= self.devices:
+            raise ValueError(f"devices_per_round must be in [1, {self.devices}], got "
+                             f"{self.devices_per_round}")
+
+
+@dataclass
+class RoundRow:
+    round: int
+    version: int | None
+    participants: int
+    loss: float | None
+    accuracy: float | None
+    upload_bytes: int
+    download_bytes: int
+    upload_bytes_per_device: float
+    local_accuracy: float | None
+    seconds: float
+
+
+@dataclass
+class Report:
+    config: dict[str, Any]
+    task_id: str
+    scope_numel: int
+    scalars_per_device: int
+    fedavg_bytes_per_round: int
+    upload_budget_bytes_per_device: int
+    rounds: list[RoundRow] = field(default_factory=list)
+    initial_accuracy: float | None = None
+    final_version: int = 0
+    final_checksum: str = ""
+    device_checksums: dict[str, str] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["upload_ratio_to_fedavg"] = self.upload_ratio()
+        return d
+
+    def upload_ratio(self) -> float | None:
+        """Mean upload per device per round over FedAvg's upload (fp32 trainable tensors)."""
+        per_device = [r.upload_bytes_per_device for r in self.rounds if r.participants]
+        if not per_device:
+            return None
+        return (sum(per_device) / len(per_device)) / (4 * self.scope_numel)
+
+
+def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> TaskSpec:
+    """The task a simulation trains: the measured recipe (client/recipes.py) for the data,
+    with the command line's overrides. `--scope head` is the recipe's head-only scope."""
+    base = _recipe_spec(config.data, config.model)
+    given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
+             "steps": config.steps, "perturbations": config.perturbations}
+    hyper = replace(base.hyper, **{k: v for k, v in given.items() if v is not None})
+    scope, options = config.scope, {}
+    if scope == "head":
+        from seedfed.client.recipes import HEAD_OPTIONS, HEAD_SCOPE
+
+        scope, options = HEAD_SCOPE, dict(HEAD_OPTIONS)
+    elif scope == base.scope:
+        options = dict(base.scope_options)
+    return replace(base, label_texts=label_texts, num_labels=len(label_texts), scope=scope,
+                   scope_options=options, hyper=hyper)
+
+
+def _recipe_spec(data: str, model: str | None) -> TaskSpec:
+    from seedfed.client import recipes
+
+    if data == DEFAULT_DATA and hasattr(recipes, "preference_recipe"):
+        return recipes.preference_recipe(model).spec  # type: ignore[no-any-return]
+    return recipes.sst2_recipe(model).spec
+
+
+class Evaluator:
+    """Scores committed versions on the held-out test split, outside the fleet."""
+
+    def __init__(self, spec: TaskSpec, examples: Any) -> None:
+        from seedfed.shared.models import build_model
+
+        self.bundle = build_model(spec, initialize=False)
+        self.examples = examples
+
+    def __call__(self, snapshot: bytes, chk: str) -> float:
+        from seedfed.client.evaluate import accuracy
+        from seedfed.client.sync import load_state
+
+        load_state(self.bundle.scope, snapshot, chk)
+        return accuracy(self.bundle, self.examples).accuracy
+
+
+def _data_splits(data: str) -> Any:
+    from seedfed.client.device_data import dataset_splits
+
+    return dataset_splits(data)
+
+
+def _label_texts(data: str, num_labels: int) -> tuple[str, ...]:
+    if data == DEFAULT_DATA:
+        from seedfed.client import preference
+
+        return tuple(preference.PREFERENCE_LABEL_TEXTS)
+    if num_labels == 2:
+        from seedfed.client.recipes import SST2_LABEL_TEXTS
+
+        return SST2_LABEL_TEXTS
+    return tuple(f"class {i}" for i in range(num_labels))
+
+
+def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
+        ) -> Report:
+    """Run the whole simulation; returns the report (also written to the run directory)."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Ray workers inherit the environment: keep model-loading chatter out of the progress bar.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    _quiet_transformers()
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from seedfed.client.device_data import DeviceData
+    from seedfed.client.flower_app import make_client_app
+    from seedfed.server.coordinator import Coordinator
+    from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy
+    from seedfed.server.settings import Settings
+
+    started = time.perf_counter()
+    out = config.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    splits = _data_splits(config.data)
+    label_texts = _label_texts(config.data, splits.train.num_labels)
+    spec = task_spec_for(config, label_texts)
+    test = splits.test.subset(range(min(config.eval_size, len(splits.test))))
+    settings = Settings(database_url=config.db or f"sqlite:///{out / 'coordinator.db'}",
+                        store_dir=out / "store")
+    coordinator = Coordinator.open(settings)
+    try:
+        task_id = coordinator.create_task(spec, name=f"simulate-{out.name}",
+                                          quorum=1, round_timeout_s=config.round_timeout_s,
+                                          devices_per_round=config.devices_per_round)
+        status = coordinator.task_status(task_id)
+        (out / "task.json").write_text(json.dumps(spec.to_dict(), indent=2))
+        per_device = spec.hyper.steps * spec.hyper.perturbations
+        k = config.devices_per_round or config.devices
+        report = Report(config={k_: str(v) if isinstance(v, Path) else v
+                                for k_, v in asdict(config).items()},
+                        task_id=task_id, scope_numel=int(status.scope_numel),
+                        scalars_per_device=per_device,
+                        fedavg_bytes_per_round=2 * 4 * int(status.scope_numel) * k,
+                        upload_budget_bytes_per_device=4 * per_device + 256)
+        evaluator = Evaluator(spec, test) if len(test) else None
+        fleet = FleetConfig.from_status(status, min_devices=config.devices,
+                                        sync_after_round=config.sync_after_round,
+                                        sample_seed=config.seed)
+        strategy = SeedfedStrategy(coordinator, task_id, fleet)
+        round_started = [time.perf_counter()]
+
+        def evaluate_fn(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
+            st = coordinator.task_status(task_id)
+            acc = None
+            if evaluator is not None:
+                acc = evaluator(*coordinator.snapshot(task_id, st.version))
+            if server_round == 0:
+                report.initial_accuracy = acc
+                round_started[0] = time.perf_counter()
+                if on_round is not None:
+                    on_round(RoundRow(0, 0, 0, None, acc, 0, 0, 0.0, None, 0.0), config.rounds)
+                return None if acc is None else MetricRecord({"accuracy": acc})
+            rec: RoundRecord = strategy.history[-1]
+            row = RoundRow(round=rec.round, version=rec.version, participants=rec.participants,
+                           loss=rec.loss, accuracy=acc, upload_bytes=rec.upload_bytes,
+                           download_bytes=rec.download_bytes,
+                           upload_bytes_per_device=(rec.upload_bytes / rec.participants
+                                                    if rec.participants else 0.0),
+                           local_accuracy=rec.local_accuracy,
+                           seconds=time.perf_counter() - round_started[0])
+            round_started[0] = time.perf_counter()
+            report.rounds.append(row)
+            report.device_checksums = {str(n): c for n, c in rec.device_checksums.items()}
+            if on_round is not None:
+                on_round(row, config.rounds)
+            return None if acc is None else MetricRecord({"accuracy": acc})
+
+        server_app = ServerApp()
+
+        @server_app.main()
+        def _main(grid: Grid, context: Context) -> None:
+            strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
+                           timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
+
+        client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
+                                                seed=config.seed,
+                                                num_partitions=config.devices))
+        backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                   "init_args": {"num_cpus": config.cpus, "num_gpus": 0,
+                                 "object_store_memory": 256 * 1024 * 1024,
+                                 "logging_level": "ERROR", "log_to_driver": False}}
+        with _quiet_flower():
+            run_simulation(server_app=server_app, client_app=client_app,
+                           num_supernodes=config.devices, backend_config=backend)  # type: ignore[arg-type]
+        final = coordinator.task_status(task_id)
+        report.final_version, report.final_checksum = final.version, final.checksum
+        data, chk = coordinator.snapshot(task_id, final.version)
+        snaps = out / "snapshots"
+        snaps.mkdir(exist_ok=True)
+        (snaps / f"v{final.version}.safetensors").write_bytes(data)
+        (snaps / f"v{final.version}.sha256").write_text(chk + "\n")
+    finally:
+        coordinator.close()
+    report.wall_seconds = time.perf_counter() - started
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    plot(report, out / "report.png")
+    return report
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+class _quiet_flower:
+    """Flower logs every message exchange at INFO; the progress bar says what matters."""
+
+    def __enter__(self) -> None:
+        self._logger = logging.getLogger("flwr")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.setLevel(self._level)
+
+
+def plot(report: Report, path: Path) -> None:
+    """Accuracy and loss per round, and bytes per device against FedAvg, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [r.round for r in report.rounds]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    acc = [(0, report.initial_accuracy)] if report.initial_accuracy is not None else []
+    acc += [(r.round, r.accuracy) for r in report.rounds if r.accuracy is not None]
+    if acc:
+        ax1.plot([a for a, _ in acc], [b for _, b in acc], "o-", color="tab:blue",
+                 label="test accuracy")
+    ax1.set_xlabel("round")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_ylabel("held-out accuracy", color="tab:blue")
+    ax1b = ax1.twinx()
+    losses = [(r.round, r.loss) for r in report.rounds if r.loss is not None]
+    if losses:
+        ax1b.plot([a for a, _ in losses], [b for _, b in losses], "s--", color="tab:red",
+                  label="device loss")
+    ax1b.set_ylabel("mean device loss", color="tab:red")
+    ax1.set_title("Federated ZO: accuracy and loss")
+    up = [r.upload_bytes_per_device for r in report.rounds]
+    ax2.bar(rounds, up, color="tab:green", label="seedfed upload / device")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.axhline(4 * report.scope_numel, color="tab:gray", linestyle="--",
+                label=f"FedAvg upload / device ({4 * report.scope_numel:,} B)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("round")
+    ax2.set_ylabel("bytes")
+    ax2.set_title("Upload per device per round")
+    ax2.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def run_with_progress(config: SimulationConfig) -> Report:
+    """`run` with a rich progress bar (round, participants, loss, accuracy) and a summary."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    columns = [TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("devices {task.fields[participants]}"),
+               TextColumn("loss {task.fields[loss]}"),
+               TextColumn("accuracy [bold green]{task.fields[accuracy]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("simulate", total=config.rounds, participants="-", loss="-",
+                                accuracy="-")
+
+        def on_round(row: RoundRow, total: int) -> None:
+            progress.update(bar, completed=row.round, participants=str(row.participants),
+                            loss=_fmt(row.loss, ".4f"), accuracy=_fmt(row.accuracy, ".4f"))
+
+        report = run(config, on_round=on_round)
+    console.print(summary_table(report))
+    ratio = report.upload_ratio()
+    per_device = [r.upload_bytes_per_device for r in report.rounds if r.participants]
+    if per_device and ratio is not None:
+        mean = sum(per_device) / len(per_device)
+        console.print(
+            f"upload per device per round: {mean:,.0f} B for {report.scalars_per_device} "
+            f"scalars (budget {report.upload_budget_bytes_per_device:,} B); FedAvg would send "
+            f"{4 * report.scope_numel:,} B: ratio {ratio:.2e} ({1 / ratio:,.0f}x less)")
+    console.print(f"final version v{report.final_version}, checksum "
+                  f"{report.final_checksum[:16]}..., {report.wall_seconds:.0f} s; run directory "
+                  f"{config.out}")
+    return report
+
+
+def summary_table(report: Report) -> Any:
+    from rich.table import Table
+
+    table = Table(title="seedfed simulate", caption=(
+        f"up/dev: bytes one device uploaded (FedAvg: {4 * report.scope_numel:,}); "
+        "down: all train + sync messages"))
+    for name in ("round", "v", "devices", "loss", "test acc", "local acc", "up/dev B",
+                 "down B", "s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    if report.initial_accuracy is not None:
+        table.add_row("0", "0", "-", "-", _fmt(report.initial_accuracy, ".3f"), "-", "-", "-",
+                      "-")
+    for r in report.rounds:
+        table.add_row(str(r.round), str(r.version), str(r.participants), _fmt(r.loss, ".3f"),
+                      _fmt(r.accuracy, ".3f"), _fmt(r.local_accuracy, ".3f"),
+                      f"{r.upload_bytes_per_device:.0f}", f"{r.download_bytes:,}",
+                      f"{r.seconds:.1f}")
+    return table

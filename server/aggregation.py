@@ -1,0 +1,85 @@
+"""Round math of the coordinator: seed drawing, per-seed aggregation, applying an entry.
+
+Everything random derives from the task's secret and the round number through an explicit
+numpy Generator, so recomputing a round after a crash gives the same seeds, the same DP noise
+and therefore the same log entry bit for bit, while devices (who never see the secret) cannot
+predict either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from seedfed.shared.aggregate import AggregationConfig, build_entry
+from seedfed.shared.replay import LogEntry, checksum
+from seedfed.shared.scopes import Scope
+from seedfed.shared.stream import add_seeds_
+from seedfed.shared.wire import MAX_SEED
+
+SEEDS_STREAM = 1
+NOISE_STREAM = 2
+
+
+def round_rng(secret: str, round_number: int, stream: int) -> np.random.Generator:
+    words = [int(secret[i:i + 8], 16) for i in range(0, len(secret), 8)]
+    return np.random.default_rng(np.random.SeedSequence([*words, round_number, stream]))
+
+
+def draw_seeds(secret: str, round_number: int, steps: int, perturbations: int) -> list[list[int]]:
+    rng = round_rng(secret, round_number, SEEDS_STREAM)
+    seeds = rng.integers(0, MAX_SEED, size=(steps, perturbations), dtype=np.int64, endpoint=True)
+    return [[int(s) for s in row] for row in seeds]
+
+
+def upload_digest(version: int, matrix: np.ndarray, num_examples: int, loss: float) -> str:
+    """Content hash of an upload: equal for byte-identical retries in either wire form."""
+    h = hashlib.sha256()
+    m = np.ascontiguousarray(matrix, dtype="<f4")
+    h.update(np.array([version, *m.shape, num_examples], dtype="<i8").tobytes())
+    h.update(np.array([loss], dtype="<f8").tobytes())
+    h.update(m.tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Combined:
+    entry: LogEntry  # without checksum yet
+    loss: float  # example-weighted mean of the devices' losses
+    noise_std: float
+
+
+def combine(*, task_id: str, base_version: int, round_number: int, seeds: Sequence[int],
+            perturbations: int, lr: float, matrices: Sequence[np.ndarray],
+            num_examples: Sequence[int], losses: Sequence[float], config: AggregationConfig,
+            secret: str) -> Combined:
+    """The log entry of a round from its uploads (each steps x P, flattened in plan order)."""
+    g = np.stack([np.asarray(m, dtype=np.float32).reshape(-1) for m in matrices])
+    w = np.asarray(num_examples, dtype=np.float64)
+    rng = round_rng(secret, round_number, NOISE_STREAM)
+    entry = build_entry(task_id, base_version, seeds, g, w, lr, perturbations, config, rng)
+    noise = 0.0
+    if config.dp_noise_multiplier > 0 and config.dp_clip is not None:
+        noise = config.dp_noise_multiplier * config.dp_clip * float(w.max() / w.sum())
+    loss = math.fsum(x * n for x, n in zip(losses, w, strict=True)) / math.fsum(w)
+    return Combined(entry, loss, noise)
+
+
+def apply_entry(scope: Scope, seeds: Sequence[int], coefs: Sequence[float],
+                on_tensor: Callable[[int], None] | None = None) -> str:
+    """Apply one entry to the scope in the replay order; returns the new checksum.
+
+    Same arithmetic as `seedfed.shared.replay.apply_seeds` (tensor by tensor, seeds in plan
+    order), with a hook between tensors for crash tests.
+    """
+    with torch.no_grad():
+        for i, t in enumerate(scope):
+            add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices)
+            if on_tensor is not None:
+                on_tensor(i)
+    scope.after_update()
+    return checksum(scope)

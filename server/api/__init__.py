@@ -1,0 +1,1 @@
+"""REST API of the coordinator (versioned under /v1)."""

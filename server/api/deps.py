@@ -1,0 +1,120 @@
+"""Dependencies of the routes: runtime, session, admin and device authentication."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from .. import service
+from ..errors import AuthenticationError, PermissionDeniedError
+from ..runtime import Runtime
+from ..service.uploads import UploadWriter
+from ..settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
+
+
+def get_runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    return rt
+
+
+def get_writer(request: Request) -> UploadWriter:
+    writer: UploadWriter = request.app.state.writer
+    return writer
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+WriterDep = Annotated[UploadWriter, Depends(get_writer)]
+
+
+def get_settings(rt: RuntimeDep) -> Settings:
+    return rt.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_session(rt: RuntimeDep) -> Iterator[Session]:
+    """A session for one request; service functions commit their own unit of work."""
+    with rt.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _is_admin(rt: Runtime, creds: HTTPAuthorizationCredentials | None) -> bool:
+    return creds is not None and hmac.compare_digest(creds.credentials.encode(),
+                                                     rt.settings.token.encode())
+
+
+async def require_admin(rt: RuntimeDep, creds: Credentials) -> None:
+    if creds is None:
+        raise AuthenticationError("missing Authorization: Bearer <admin token>")
+    if not _is_admin(rt, creds):
+        raise AuthenticationError("wrong admin token")
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
+
+
+async def current_device(task_id: str, rt: RuntimeDep, creds: Credentials) -> str:
+    """The device id of the bearer token, which must belong to the task in the path."""
+    if creds is None:
+        raise AuthenticationError("missing Authorization: Bearer <device token>")
+    token = creds.credentials
+    hit = rt.token_cache.get(service.devices.hash_token(token))
+    if hit is not None:  # hot path: no thread hop, no query
+        if hit[1] != task_id:
+            raise PermissionDeniedError(f"device {hit[0]} is enrolled in another task, "
+                                        f"not {task_id!r}")
+        return hit[0]
+    return await run_in_threadpool(service.authenticate_device, rt, task_id=task_id, token=token)
+
+
+CurrentDevice = Annotated[str, Depends(current_device)]
+
+
+async def device_credential(task_id: str, rt: RuntimeDep,
+                            creds: Credentials) -> tuple[str | None, str]:
+    """(device id if the token is cached, token hash) for the upload path: an uncached token
+    is authenticated by the upload writer together with the rest of its batch."""
+    if creds is None:
+        raise AuthenticationError("missing Authorization: Bearer <device token>")
+    h = service.devices.hash_token(creds.credentials)
+    hit = rt.token_cache.get(h)
+    if hit is None:
+        return None, h
+    if hit[1] != task_id:
+        raise PermissionDeniedError(f"device {hit[0]} is enrolled in another task, "
+                                    f"not {task_id!r}")
+    return hit[0], h
+
+
+DeviceCredential = Annotated[tuple[str | None, str], Depends(device_credential)]
+
+
+async def reader(task_id: str, rt: RuntimeDep, creds: Credentials) -> str | None:
+    """Admin (returns None) or a device of the task (returns its id)."""
+    if _is_admin(rt, creds):
+        return None
+    return await current_device(task_id, rt, creds)
+
+
+ReaderDep = Annotated[str | None, Depends(reader)]
+
+
+async def stats_reader(rt: RuntimeDep, creds: Credentials) -> None:
+    if not rt.settings.public_stats:
+        await require_admin(rt, creds)
+
+
+StatsReaderDep = Annotated[None, Depends(stats_reader)]

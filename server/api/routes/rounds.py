@@ -1,0 +1,108 @@
+"""Rounds: open and close (admin), the current plan, uploads (device)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Header, Request, status
+from fastapi.concurrency import run_in_threadpool
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+
+from ... import service
+from ...errors import MalformedRequestError, NotFoundError
+from ...schemas import UploadReceipt
+from ..deps import AdminDep, DeviceCredential, ReaderDep, RuntimeDep, WriterDep
+
+router = APIRouter(prefix="/v1/tasks/{task_id}/rounds", tags=["rounds"])
+
+_UPLOAD_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": Upload.model_json_schema()},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary",
+                           "description": "seedfed.shared.wire.pack_binary(matrix): b'SFS1', "
+                                          "uint32 rows, uint32 cols, uint32 0, then rows*cols "
+                                          "float32 LE. Version, example count and loss go in "
+                                          "the X-Seedfed-Version, X-Seedfed-Num-Examples and "
+                                          "X-Seedfed-Loss headers."}},
+        },
+    }
+}
+
+
+@router.post("", response_model=RoundPlan, status_code=status.HTTP_201_CREATED)
+async def open_round(task_id: str, rt: RuntimeDep, _: AdminDep) -> RoundPlan:
+    """Open the next round (or return the round already open)."""
+    return await run_in_threadpool(service.open_round, rt, task_id=task_id)
+
+
+@router.get("/current", response_model=RoundPlan)
+async def current(task_id: str, rt: RuntimeDep, _: ReaderDep) -> RoundPlan:
+    """The open round's plan: version, seeds (steps x perturbations), lr, eps, deadline."""
+    hit = rt.plan_cache.get(task_id)
+    plan = hit[1] if hit is not None else await run_in_threadpool(
+        service.current_plan, rt, task_id=task_id)
+    if plan is None:
+        raise NotFoundError(f"task {task_id!r} has no open round")
+    return plan
+
+
+@router.post("/{round_number}/close", response_model=LogEntryWire)
+async def close(task_id: str, round_number: int, rt: RuntimeDep, _: AdminDep) -> LogEntryWire:
+    """Aggregate what arrived and commit the new version (the round's log entry)."""
+    return await run_in_threadpool(service.close_round, rt, task_id=task_id,
+                                   number=round_number)
+
+
+@router.post("/{round_number}/uploads", response_model=UploadReceipt,
+             openapi_extra=_UPLOAD_DOC)
+async def upload(
+    task_id: str, round_number: int, request: Request, device: DeviceCredential,
+    rt: RuntimeDep, writer: WriterDep, background: BackgroundTasks,
+    x_seedfed_version: Annotated[int | None, Header()] = None,
+    x_seedfed_num_examples: Annotated[int | None, Header()] = None,
+    x_seedfed_loss: Annotated[float | None, Header()] = None,
+) -> UploadReceipt:
+    """Upload a device's scalars for the round: JSON `Upload`, or the binary form.
+
+    A byte-identical retry returns the original receipt (200); a different second upload
+    from the device in the same round is a 409.
+    """
+    body = await request.body()
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "application/octet-stream":
+        missing = [h for h, v in (("X-Seedfed-Version", x_seedfed_version),
+                                  ("X-Seedfed-Num-Examples", x_seedfed_num_examples),
+                                  ("X-Seedfed-Loss", x_seedfed_loss)) if v is None]
+        if missing:
+            raise MalformedRequestError(f"binary upload needs the headers {missing}")
+        assert x_seedfed_version is not None and x_seedfed_num_examples is not None
+        assert x_seedfed_loss is not None
+        up = service.parse_binary_upload(body, task_id=task_id, round_number=round_number,
+                                         version=x_seedfed_version,
+                                         num_examples=x_seedfed_num_examples,
+                                         loss=x_seedfed_loss)
+    elif ctype in ("application/json", ""):
+        up = service.parse_json_upload(body)
+    else:
+        raise MalformedRequestError(f"content type {ctype!r} is not accepted; send "
+                                    "application/json or application/octet-stream")
+    try:
+        pending = service.check_upload(rt, task_id=task_id, round_number=round_number,
+                                       device_id=device[0], token_hash=device[1], upload=up,
+                                       wire_bytes=len(body))
+    except Exception:
+        rt.metrics.uploads.labels("rejected").inc()
+        raise
+    receipt = await asyncio.wrap_future(writer.submit(pending))
+    assert isinstance(receipt, UploadReceipt)
+    hit = rt.plan_cache.get(task_id)
+    if hit is not None and hit[0] == pending.round_id and \
+            rt.upload_counts.get(pending.round_id, 0) >= hit[1].quorum:
+        background.add_task(service.close_if_due, rt, task_id=task_id,
+                            round_id=pending.round_id)
+    return receipt
+

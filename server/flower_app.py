@@ -1,0 +1,177 @@
+"""The Flower ServerApp of a deployment (`seedfed.server.flower_app:app`).
+
+A SuperLink starts it for `flwr run`; it drives rounds with `SeedfedStrategy` against a
+coordinator reached one of two ways:
+
+- over REST (`coordinator-url` in the run config, or SEEDFED_COORDINATOR_URL): the usual
+  deployment, next to a running `seedfed coordinator`. The admin token comes from the
+  environment (SEEDFED_ADMIN_TOKEN), never from the run config, which the SuperLink stores; the
+  task's join token (SEEDFED_JOIN_TOKEN or `join-token`) enrolls the Flower devices.
+- in process (`db-url` and `store-dir`): the ServerApp owns the database for the run (no other
+  coordinator process may run on it meanwhile).
+
+Run config keys: `task-id`, `num-rounds`, `min-devices`, `devices-per-round` (0: all),
+`round-timeout` (0: the task's), `sync` (push each new entry and verify checksums),
+`report` (a JSON file to write the per-round records to; empty: none).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from seedfed.shared.task import TaskSpec
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, pack_binary
+
+from .errors import ConflictError, CoordinatorError
+from .flower_strategy import CoordinatorPort, FleetConfig, SeedfedStrategy
+
+log = logging.getLogger(__name__)
+
+
+class _Obj:
+    """Attribute access over a JSON object (TaskStatus, CatchupPlan) for the strategy."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+
+class RestCoordinator:
+    """The strategy's CoordinatorPort over the coordinator's REST API."""
+
+    def __init__(self, url: str, admin_token: str, join_token: str | None,
+                 client: httpx.Client | None = None, timeout_s: float = 60.0) -> None:
+        self.http = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.admin = admin_token
+        self.join = join_token
+        self._tokens: dict[str, str] = {}
+        self._plans: dict[str, RoundPlan] = {}
+
+    def _call(self, method: str, path: str, token: str | None = None, **kw: Any,
+              ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token or self.admin}", **kw.pop("headers", {})}
+        resp = self.http.request(method, path, headers=headers, **kw)
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            err = ConflictError if resp.status_code == 409 else CoordinatorError
+            raise err(f"{method} {path} -> {resp.status_code}: {detail}")
+        return resp
+
+    def open_round(self, task_id: str) -> RoundPlan:
+        plan = RoundPlan.model_validate(self._call("POST", f"/v1/tasks/{task_id}/rounds").json())
+        self._plans[task_id] = plan
+        return plan
+
+    def enroll(self, task_id: str) -> tuple[str, str]:
+        if not self.join:
+            raise CoordinatorError("enrolling Flower devices needs the task's join token "
+                                   "(SEEDFED_JOIN_TOKEN or run config join-token)")
+        body = self._call("POST", f"/v1/tasks/{task_id}/devices",
+                          json={"join_token": self.join}).json()
+        self._tokens[body["device_id"]] = body["token"]
+        return body["device_id"], body["token"]
+
+    def submit(self, task_id: str, device_id: str, upload: Upload) -> None:
+        self._call("POST", f"/v1/tasks/{task_id}/rounds/{upload.round}/uploads",
+                   token=self._tokens[device_id], content=pack_binary(upload.matrix()),
+                   headers={"Content-Type": "application/octet-stream",
+                            "X-Seedfed-Version": str(upload.version),
+                            "X-Seedfed-Num-Examples": str(upload.num_examples),
+                            "X-Seedfed-Loss": repr(upload.loss)})
+
+    def close_round(self, task_id: str) -> LogEntryWire:
+        plan = self._plans[task_id]
+        try:
+            return LogEntryWire.model_validate(self._call(
+                "POST", f"/v1/tasks/{task_id}/rounds/{plan.round}/close").json())
+        except ConflictError:
+            # the coordinator's own ticker may have closed it at quorum: find its entry
+            for entry in self.log_since(task_id, plan.version):
+                if entry.base_version == plan.version:
+                    return entry
+            raise
+
+    def log_since(self, task_id: str, version: int) -> list[LogEntryWire]:
+        return [LogEntryWire.model_validate(e) for e in self._call(
+            "GET", f"/v1/tasks/{task_id}/log", params={"since": version}).json()]
+
+    def snapshot(self, task_id: str, version: int) -> tuple[bytes, str]:
+        resp = self._call("GET", f"/v1/tasks/{task_id}/snapshots/{version}")
+        return resp.content, resp.headers["X-Seedfed-Checksum"]
+
+    def task_status(self, task_id: str) -> Any:
+        return _Obj(self._call("GET", f"/v1/tasks/{task_id}").json())
+
+    def task_spec(self, task_id: str) -> TaskSpec:
+        return TaskSpec.from_dict(self._call("GET", f"/v1/tasks/{task_id}/spec").json())
+
+    def catchup(self, task_id: str, from_version: int) -> Any:
+        return _Obj(self._call("GET", f"/v1/tasks/{task_id}/catchup",
+                               params={"from": from_version}).json())
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _open_coordinator(cfg: dict[str, Any]) -> tuple[CoordinatorPort, Any]:
+    """(the port, the object to close) from the run config and the environment."""
+    url = str(cfg.get("coordinator-url") or os.environ.get("SEEDFED_COORDINATOR_URL", ""))
+    if url:
+        admin = os.environ.get("SEEDFED_ADMIN_TOKEN")
+        if not admin:
+            raise CoordinatorError("SEEDFED_ADMIN_TOKEN must be set in the SuperLink's "
+                                   "environment to drive rounds over REST")
+        join = str(cfg.get("join-token") or os.environ.get("SEEDFED_JOIN_TOKEN", "")) or None
+        rest = RestCoordinator(url, admin, join)
+        return rest, rest
+    if not cfg.get("db-url"):
+        raise CoordinatorError("set coordinator-url (REST) or db-url and store-dir (in "
+                               "process) in the run config")
+    from .coordinator import Coordinator
+    from .settings import Settings
+
+    coord = Coordinator.open(Settings(database_url=str(cfg["db-url"]),
+                                      store_dir=Path(str(cfg["store-dir"]))))
+    return coord, coord  # type: ignore[return-value]
+
+
+def run_fleet(grid: Grid, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Drive `num-rounds` rounds of `task-id` over the grid; returns the round records."""
+    port, closer = _open_coordinator(cfg)
+    try:
+        task_id = str(cfg["task-id"])
+        status = port.task_status(task_id)
+        overrides: dict[str, Any] = {"min_devices": int(cfg.get("min-devices", 1)),
+                                     "sync_after_round": bool(cfg.get("sync", True))}
+        if int(cfg.get("devices-per-round", 0)):
+            overrides["devices_per_round"] = int(cfg["devices-per-round"])
+        if float(cfg.get("round-timeout", 0)):
+            overrides["round_timeout_s"] = float(cfg["round-timeout"])
+        fleet = FleetConfig.from_status(status, **overrides)
+        strategy = SeedfedStrategy(port, task_id, fleet)
+        strategy.start(grid, ArrayRecord(), num_rounds=int(cfg.get("num-rounds", 3)),
+                       timeout=fleet.round_timeout_s)
+        records = [asdict(r) for r in strategy.history]
+        if cfg.get("report"):
+            Path(str(cfg["report"])).write_text(json.dumps(records, indent=2, default=str))
+        return records
+    finally:
+        closer.close()
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_fleet(grid, dict(context.run_config))

@@ -1,0 +1,326 @@
+"""The Flower ServerApp strategy: a thin door from Flower's fleet to the coordinator.
+
+It holds no model state. `configure_train` asks the coordinator for the round plan and tells each
+sampled device how to catch up (log entries since the version the device last confirmed, or a
+snapshot when that is cheaper or the device is new); `aggregate_train` hands the replies to the
+coordinator as uploads and asks it to close the round. The optional sync phase
+(`configure_evaluate`) pushes the new log entry to every device and collects the checksum each
+one reached, so a diverged device is caught at once and re-synced from a snapshot.
+
+The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
+version it confirmed. Message keys are the contract in `seedfed.client.flower_app`'s docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from seedfed.shared.errors import SeedfedError
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, unpack_binary
+
+log = logging.getLogger(__name__)
+
+RECORD = "seedfed"  # must equal seedfed.client.flower_app.RECORD
+
+
+class CoordinatorPort(Protocol):
+    """What the strategy needs of the coordinator's in-process facade."""
+
+    def open_round(self, task_id: str) -> RoundPlan: ...
+    def enroll(self, task_id: str) -> tuple[str, str]: ...
+    def submit(self, task_id: str, device_id: str, upload: Upload) -> None: ...
+    def close_round(self, task_id: str) -> LogEntryWire: ...
+    def log_since(self, task_id: str, version: int) -> list[LogEntryWire]: ...
+    def snapshot(self, task_id: str, version: int) -> tuple[bytes, str]: ...
+    def task_status(self, task_id: str) -> Any: ...
+    def task_spec(self, task_id: str) -> Any: ...
+    def catchup(self, task_id: str, from_version: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Sampling, quorum and timeouts of the Flower rounds (defaults from the task's row)."""
+
+    devices_per_round: int | None = None  # None: every connected device
+    min_devices: int = 1  # wait until this many devices are connected
+    quorum: int = 1  # close a round only with at least this many accepted uploads
+    round_timeout_s: float = 600.0  # wait for replies at most this long per phase
+    node_wait_s: float = 300.0  # wait for `min_devices` at most this long
+    sync_after_round: bool = True
+    sample_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.devices_per_round is not None and self.devices_per_round < 1:
+            raise ValueError(f"devices_per_round must be >= 1 or None, got "
+                             f"{self.devices_per_round}")
+        for name in ("min_devices", "quorum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("round_timeout_s", "node_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_status(cls, status: Any, **overrides: Any) -> FleetConfig:
+        """The task's own quorum, timeout and devices per round, with explicit overrides."""
+        base = {"quorum": status.quorum, "round_timeout_s": status.round_timeout_s,
+                "devices_per_round": status.devices_per_round}
+        return cls(**{**base, **overrides})
+
+
+@dataclass
+class RoundRecord:
+    """What one Flower round moved and produced."""
+
+    round: int
+    base_version: int
+    version: int | None = None  # the version the round committed (None: not closed)
+    checksum: str | None = None
+    sampled: int = 0
+    participants: int = 0
+    failures: list[str] = field(default_factory=list)
+    loss: float | None = None
+    scalars_per_device: int = 0
+    upload_bytes: int = 0  # reply payloads (RecordDict tree) accepted this round
+    upload_message_bytes: int = 0  # the same replies with Flower's message envelope
+    download_bytes: int = 0  # train + sync message payloads sent this round
+    synced: int = 0
+    sync_mismatches: int = 0
+    local_accuracy: float | None = None
+    device_checksums: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Node:
+    device_id: str
+    version: int | None = None  # last version the device confirmed; None: needs a snapshot
+    checksum: str | None = None
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes Flower moves for a message content: every object of its tree, deflated."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+
+
+def message_bytes(message: Message) -> int:
+    """Bytes of a whole message: its content tree plus the message object (metadata)."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+
+
+class SeedfedStrategy(Strategy):
+    """Round plans and aggregation come from the coordinator; this only moves messages."""
+
+    def __init__(self, coordinator: CoordinatorPort, task_id: str, config: FleetConfig,
+                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+        self.coordinator = coordinator
+        self.task_id = task_id
+        self.config = config
+        self.on_round = on_round
+        self.history: list[RoundRecord] = []
+        self._nodes: dict[int, _Node] = {}
+        self._plan: RoundPlan | None = None
+        self._rng = random.Random(config.sample_seed)
+        self._spec_json: str | None = None
+
+    # -- fleet bookkeeping -------------------------------------------------------------------
+    def _node(self, node_id: int) -> _Node:
+        if node_id not in self._nodes:
+            device_id, _token = self.coordinator.enroll(self.task_id)
+            self._nodes[node_id] = _Node(device_id)
+        return self._nodes[node_id]
+
+    def _connected(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.config.node_wait_s
+        while len(ids := sorted(grid.get_node_ids())) < self.config.min_devices:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(ids)} devices connected after "
+                                   f"{self.config.node_wait_s:.0f} s, need "
+                                   f"{self.config.min_devices}")
+            time.sleep(0.2)
+        return ids
+
+    def _task_json(self) -> str:
+        if self._spec_json is None:
+            spec = self.coordinator.task_spec(self.task_id)
+            self._spec_json = json.dumps(spec.to_dict() if hasattr(spec, "to_dict") else spec)
+        return self._spec_json
+
+    def _catch_up(self, node: _Node, target: int, cache: dict[int, list[LogEntryWire]],
+                  ) -> dict[str, Any]:
+        """How the device reaches `target`: nothing, the log entries it missed, or a snapshot
+        (the coordinator's catch-up plan picks the cheaper; new devices always take one)."""
+        if node.version == target:
+            return {}
+        if node.version is not None and node.version < target:
+            if node.version not in cache:
+                plan = self.coordinator.catchup(self.task_id, node.version)
+                if plan.action == "replay" and plan.to_version == target:
+                    cache[node.version] = self.coordinator.log_since(self.task_id, node.version)
+                else:
+                    cache[node.version] = []
+            if cache[node.version]:
+                return {"entries": json.dumps([e.model_dump_json()
+                                               for e in cache[node.version]])}
+        data, chk = self.coordinator.snapshot(self.task_id, target)
+        return {"snapshot": data, "snapshot-version": target, "snapshot-checksum": chk,
+                "task": self._task_json()}
+
+    def _message(self, node_id: int, payload: dict[str, Any], kind: str) -> Message:
+        content = RecordDict({RECORD: ConfigRecord({"task-id": self.task_id, **payload})})
+        return Message(content=content, message_type=kind, dst_node_id=node_id)
+
+    # -- training ----------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        plan = self.coordinator.open_round(self.task_id)
+        self._plan = plan
+        connected = self._connected(grid)
+        k = self.config.devices_per_round or len(connected)
+        chosen = sorted(self._rng.sample(connected, min(k, len(connected))))
+        record = RoundRecord(round=plan.round, base_version=plan.version, sampled=len(chosen),
+                             scalars_per_device=plan.steps * plan.perturbations)
+        self.history.append(record)
+        cache: dict[int, list[LogEntryWire]] = {}
+        plan_json = plan.model_dump_json()
+        messages = []
+        for node_id in chosen:
+            payload = {"plan": plan_json, **self._catch_up(self._node(node_id), plan.version,
+                                                           cache)}
+            msg = self._message(node_id, payload, MessageType.TRAIN)
+            record.download_bytes += payload_bytes(msg.content)
+            messages.append(msg)
+        log.info("round %d: plan v%d, %d of %d devices", plan.round, plan.version, len(chosen),
+                 len(connected))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message],
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        plan, record = self._plan, self.history[-1]
+        assert plan is not None
+        losses: list[tuple[float, int]] = []
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            node = self._node(node_id)
+            if reply.has_error():
+                node.version = node.checksum = None  # whatever it holds, resend a snapshot
+                record.failures.append(f"device {node_id}: {reply.error.reason}")
+                continue
+            try:
+                upload = self._upload(plan, reply)
+                self.coordinator.submit(self.task_id, node.device_id, upload)
+            except (SeedfedError, KeyError, TypeError, ValueError) as e:
+                record.failures.append(f"device {node_id}: {type(e).__name__}: {e}")
+                continue
+            node.version = plan.version  # it trained at the plan's version and returned to it
+            record.participants += 1
+            record.upload_bytes += payload_bytes(reply.content)
+            record.upload_message_bytes += message_bytes(reply)
+            losses.append((upload.loss, upload.num_examples))
+        for failure in record.failures:
+            log.warning("round %d: %s", plan.round, failure)
+        if record.participants >= self.config.quorum:
+            entry = self.coordinator.close_round(self.task_id)
+            record.version, record.checksum = entry.base_version + 1, entry.checksum
+            total = sum(n for _, n in losses)
+            record.loss = sum(v * n for v, n in losses) / total
+        else:
+            log.warning("round %d: %d accepted uploads, quorum %d; round stays open",
+                        plan.round, record.participants, self.config.quorum)
+        if not self.config.sync_after_round and self.on_round is not None:
+            self.on_round(record)
+        metrics = MetricRecord({"participants": record.participants,
+                                "upload-bytes": record.upload_bytes,
+                                "download-bytes": record.download_bytes})
+        if record.loss is not None:
+            metrics["loss"] = record.loss
+        if record.version is not None:
+            metrics["version"] = record.version
+        return None, metrics
+
+    @staticmethod
+    def _upload(plan: RoundPlan, reply: Message) -> Upload:
+        payload = reply.content.config_records[RECORD]
+        g = unpack_binary(bytes(payload["g"]))  # type: ignore[arg-type]
+        if g.shape != (plan.steps, plan.perturbations):
+            raise ValueError(f"scalars have shape {list(g.shape)}, the plan "
+                             f"{[plan.steps, plan.perturbations]}")
+        return Upload.build(plan, g, int(payload["n"]),  # type: ignore[arg-type]
+                            float(payload["loss"]))  # type: ignore[arg-type]
+
+    # -- sync phase --------------------------------------------------------------------------
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        if not self.config.sync_after_round or not self.history:
+            return []
+        status = self.coordinator.task_status(self.task_id)
+        record = self.history[-1]
+        connected = set(grid.get_node_ids())
+        cache: dict[int, list[LogEntryWire]] = {}
+        messages = []
+        for node_id, node in sorted(self._nodes.items()):
+            if node_id not in connected or node.version is None:
+                continue  # a device without state gets its snapshot with its next plan
+            payload = {"version": status.version, "checksum": status.checksum,
+                       **self._catch_up(node, status.version, cache)}
+            msg = self._message(node_id, payload, MessageType.EVALUATE)
+            record.download_bytes += payload_bytes(msg.content)
+            messages.append(msg)
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message],
+                           ) -> MetricRecord | None:
+        if not self.history:
+            return None
+        record = self.history[-1]
+        status = self.coordinator.task_status(self.task_id)
+        scored: list[tuple[float, float, int]] = []
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            node = self._node(node_id)
+            if reply.has_error():
+                node.version = node.checksum = None
+                record.sync_mismatches += 1
+                log.warning("sync of device %d failed: %s", node_id, reply.error.reason)
+                continue
+            payload = reply.content.config_records[RECORD]
+            version, chk = int(payload["version"]), str(payload["checksum"])  # type: ignore[arg-type]
+            record.device_checksums[node_id] = chk
+            if (version, chk) != (status.version, status.checksum):
+                node.version = node.checksum = None
+                record.sync_mismatches += 1
+                continue
+            node.version, node.checksum = version, chk
+            record.synced += 1
+            metrics = reply.content.metric_records.get("metrics")
+            if metrics is not None and int(metrics["num-examples"]) > 0:  # type: ignore[arg-type]
+                scored.append((float(metrics["accuracy"]), float(metrics["loss"]),  # type: ignore[arg-type]
+                               int(metrics["num-examples"])))  # type: ignore[arg-type]
+        total = sum(n for _, _, n in scored)
+        if total:
+            record.local_accuracy = sum(a * n for a, _, n in scored) / total
+        if self.on_round is not None:
+            self.on_round(record)
+        out = MetricRecord({"synced": record.synced, "mismatches": record.sync_mismatches})
+        if record.local_accuracy is not None:
+            out["local-accuracy"] = record.local_accuracy
+        return out
+
+    def summary(self) -> None:
+        c = self.config
+        log.info("seedfed strategy: task %s, %s devices per round, quorum %d, timeout %.0f s, "
+                 "sync after round: %s", self.task_id, c.devices_per_round or "all", c.quorum,
+                 c.round_timeout_s, c.sync_after_round)
+
+    def node_versions(self) -> dict[int, int | None]:
+        """Version each known Flower node last confirmed (None: needs a snapshot)."""
+        return {n: node.version for n, node in self._nodes.items()}

@@ -1,0 +1,152 @@
+"""SQLAlchemy 2.x typed ORM: tasks, devices, rounds, uploads and model versions (the log).
+
+The schema itself is owned by the Alembic migrations in `migrations/`; these classes must match
+them (a test compares the two).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite drops the offset)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value} given; use timezone-aware UTC")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RoundState:
+    OPEN = "open"
+    AGGREGATING = "aggregating"
+    CLOSED = "closed"
+    EXPIRED = "expired"  # deadline passed with no upload: closed without a new version
+
+
+class TaskRow(Base):
+    __tablename__ = "tasks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec_json: Mapped[str] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(16))
+    quorum: Mapped[int] = mapped_column(Integer)
+    round_timeout_s: Mapped[float] = mapped_column(Float)
+    devices_per_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    join_token_hash: Mapped[str] = mapped_column(String(64))
+    #: Secret that seeds the round seeds and the DP noise: aggregation is deterministic given
+    #: the stored rows (so recovery recomputes the same entry) yet unpredictable to devices.
+    secret: Mapped[str] = mapped_column(String(64))
+    current_version: Mapped[int] = mapped_column(Integer, default=0)
+    scope_numel: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DeviceRow(Base):
+    __tablename__ = "devices"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class RoundRow(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("task_id", "number", name="uq_rounds_task_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    base_version: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=RoundState.OPEN)
+    plan_json: Mapped[str] = mapped_column(Text)
+    quorum: Mapped[int] = mapped_column(Integer)
+    deadline: Mapped[datetime] = mapped_column(UTCDateTime)
+    opened_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    participants: Mapped[int] = mapped_column(Integer, default=0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    upload_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    aggregation_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    result_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class UploadRow(Base):
+    __tablename__ = "uploads"
+    __table_args__ = (UniqueConstraint("round_id", "device_id", name="uq_uploads_round_device"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"))
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    digest: Mapped[str] = mapped_column(String(64))
+    rows: Mapped[int] = mapped_column(Integer)
+    cols: Mapped[int] = mapped_column(Integer)
+    scalars: Mapped[bytes] = mapped_column(LargeBinary)  # float32 LE row-major
+    num_examples: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    wire_bytes: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class VersionRow(Base):
+    """Model version `version` of a task; for version > 0 also the log entry that made it."""
+
+    __tablename__ = "versions"
+
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    seeds_json: Mapped[str] = mapped_column(Text, default="[]")
+    coefs: Mapped[bytes] = mapped_column(LargeBinary, default=b"")  # float32 LE
+    checksum: Mapped[str] = mapped_column(String(64))
+    master_path: Mapped[str] = mapped_column(String(400))
+    master_sha256: Mapped[str] = mapped_column(String(64))
+    master_bytes: Mapped[int] = mapped_column(BigInteger)
+    snapshot_path: Mapped[str] = mapped_column(String(400))
+    snapshot_sha256: Mapped[str] = mapped_column(String(64))
+    snapshot_bytes: Mapped[int] = mapped_column(BigInteger)
+    noise_std: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+Index("ix_rounds_task_state", RoundRow.task_id, RoundRow.state)
+Index("ix_uploads_round", UploadRow.round_id)

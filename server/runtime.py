@@ -1,0 +1,119 @@
+"""Process-wide state of one coordinator: database, model store, loaded masters, caches, metrics.
+
+One coordinator process owns a database at a time (the caches and the state lock are
+in-process); run one process per database. The service functions receive this object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from seedfed.shared.models import ModelBundle
+from seedfed.shared.wire import RoundPlan
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from .db import make_engine, session_factory, upgrade
+from .settings import Settings
+from .store import ModelStore
+
+
+class Metrics:
+    """Prometheus metrics on a registry of their own (several coordinators per test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rounds_opened = Counter("seedfed_rounds_opened", "Rounds opened", registry=r)
+        self.rounds_closed = Counter("seedfed_rounds_closed", "Rounds closed with a new version",
+                                     registry=r)
+        self.rounds_expired = Counter("seedfed_rounds_expired",
+                                      "Rounds that reached their deadline without uploads",
+                                      registry=r)
+        self.uploads = Counter("seedfed_uploads", "Upload requests by result", ["result"],
+                               registry=r)
+        self.bytes_in = Counter("seedfed_bytes_in", "Upload bytes accepted", registry=r)
+        self.bytes_out = Counter("seedfed_bytes_out", "Plan, log and snapshot bytes served",
+                                 ["kind"], registry=r)
+        self.aggregation_seconds = Histogram(
+            "seedfed_aggregation_seconds", "Time to aggregate a round and commit its version",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
+
+
+@dataclass
+class Master:
+    """The fp32 master model of a task, standing at `version`."""
+
+    bundle: ModelBundle
+    version: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class Faults:
+    """Test hooks that simulate a crash at a named point of the round close."""
+
+    after_files: Callable[[], None] | None = None  # files written, commit not yet done
+    mid_aggregation: Callable[[int], None] | None = None  # called with each seed index
+
+
+class Runtime:
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.engine = engine or make_engine(settings.database_url, echo=settings.echo_sql)
+        if settings.run_migrations:
+            upgrade(self.engine)
+        self.sessions: sessionmaker[Session] = session_factory(self.engine)
+        self.store = ModelStore(settings.store_dir)
+        self.metrics = Metrics()
+        self.faults = Faults()
+        #: Serializes round state transitions with upload writes: an upload is accepted only
+        #: if committed while its round is open, and a close sees every accepted upload.
+        self.state_lock = threading.RLock()
+        self._masters: OrderedDict[str, Master] = OrderedDict()
+        self._masters_lock = threading.Lock()
+        self._task_locks: dict[str, threading.Lock] = {}
+        # token hash -> (device_id, task_id); revoked devices are never cached
+        self.token_cache: dict[str, tuple[str, str]] = {}
+        # task_id -> (round id, plan) of its open round; absent: unknown, None: no open round
+        self.plan_cache: dict[str, tuple[int, RoundPlan] | None] = {}
+        # round id -> uploads committed so far
+        self.upload_counts: dict[int, int] = {}
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One unit of work: commit on success, roll back on any exception."""
+        with self.sessions() as session, session.begin():
+            yield session
+
+    def task_lock(self, task_id: str) -> threading.Lock:
+        with self._masters_lock:
+            return self._task_locks.setdefault(task_id, threading.Lock())
+
+    def cached_master(self, task_id: str) -> Master | None:
+        with self._masters_lock:
+            m = self._masters.get(task_id)
+            if m is not None:
+                self._masters.move_to_end(task_id)
+            return m
+
+    def keep_master(self, task_id: str, master: Master) -> None:
+        with self._masters_lock:
+            self._masters[task_id] = master
+            self._masters.move_to_end(task_id)
+            while len(self._masters) > self.settings.max_loaded_models:
+                self._masters.popitem(last=False)
+
+    def drop_master(self, task_id: str) -> None:
+        with self._masters_lock:
+            self._masters.pop(task_id, None)
+
+    def close(self) -> None:
+        with self._masters_lock:
+            self._masters.clear()
+        self.engine.dispose()

@@ -1,0 +1,58 @@
+"""Devices: enrollment with the task's join token, revocation, bearer-token authentication."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+
+from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
+from ..orm import DeviceRow, utcnow
+from ..runtime import Runtime
+from .tasks import get_task, hash_token
+
+
+def enroll_device(rt: Runtime, *, task_id: str, join_token: str | None) -> tuple[str, str]:
+    """A new device of the task: (device_id, token). `join_token=None` is the trusted
+    in-process path (the facade); over HTTP the join token is always checked."""
+    device_id = secrets.token_hex(8)
+    token = secrets.token_urlsafe(32)
+    with rt.transaction() as s:
+        task = get_task(s, task_id=task_id)
+        if join_token is not None and not hmac.compare_digest(
+                hash_token(join_token), task.join_token_hash):
+            raise AuthenticationError(f"wrong join token for task {task_id!r}")
+        s.add(DeviceRow(id=device_id, task_id=task_id, token_hash=hash_token(token)))
+    rt.token_cache[hash_token(token)] = (device_id, task_id)
+    return device_id, token
+
+
+def revoke_device(rt: Runtime, *, task_id: str, device_id: str) -> None:
+    """Revoke a device: its token stops working at once (idempotent)."""
+    with rt.transaction() as s:
+        device = s.get(DeviceRow, device_id)
+        if device is None or device.task_id != task_id:
+            raise NotFoundError(f"task {task_id!r} has no device {device_id!r}")
+        if device.revoked_at is None:
+            device.revoked_at = utcnow()
+        token_hash = device.token_hash
+    rt.token_cache.pop(token_hash, None)
+
+
+def authenticate_device(rt: Runtime, *, task_id: str, token: str) -> str:
+    """The device id a bearer token belongs to; refuses unknown, revoked or foreign tokens."""
+    h = hash_token(token)
+    hit = rt.token_cache.get(h)
+    if hit is None:
+        with rt.transaction() as s:
+            device = s.query(DeviceRow).filter(DeviceRow.token_hash == h).one_or_none()
+            if device is None:
+                raise AuthenticationError("unknown device token")
+            if device.revoked_at is not None:
+                raise AuthenticationError(f"device {device.id} has been revoked")
+            hit = (device.id, device.task_id)
+        rt.token_cache[h] = hit
+    device_id, device_task = hit
+    if device_task != task_id:
+        raise PermissionDeniedError(f"device {device_id} is enrolled in another task, "
+                                    f"not {task_id!r}")
+    return device_id

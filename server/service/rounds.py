@@ -1,0 +1,294 @@
+"""The round lifecycle: open -> aggregating -> closed (or expired), and crash recovery.
+
+Closing is two units of work around the file writes: (1) mark the round `aggregating`
+(uploads stop), (2) after the new master and snapshot files are on disk, insert the version
+row (log entry + checksum), close the round and move the task's version in one commit. A
+crash before (2) leaves the round `aggregating`; `recover` recomputes the same entry (seeds,
+noise and uploads all come from stored rows) and finishes it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import numpy as np
+from seedfed.shared.replay import LogEntry
+from seedfed.shared.scopes import Scope
+from seedfed.shared.wire import LogEntryWire, RoundPlan
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ..aggregation import apply_entry, combine, draw_seeds
+from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
+from ..orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
+from ..runtime import Runtime
+from .tasks import get_task, load_master, spec_of, write_version_files
+
+
+def entry_of(row: VersionRow, task_id: str) -> LogEntry:
+    coefs = np.frombuffer(row.coefs, dtype="<f4")
+    return LogEntry(task_id, row.version - 1, tuple(json.loads(row.seeds_json)),
+                    tuple(float(c) for c in coefs), row.checksum)
+
+
+def wire_of(row: VersionRow, task_id: str) -> LogEntryWire:
+    return LogEntryWire.from_entry(entry_of(row, task_id))
+
+
+def _latest_round(session: Session, task_id: str) -> RoundRow | None:
+    return session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
+                           .order_by(RoundRow.number.desc()).limit(1)).first()
+
+
+def get_round(session: Session, *, task_id: str, number: int) -> RoundRow:
+    row = session.scalars(select(RoundRow).where(RoundRow.task_id == task_id,
+                                                 RoundRow.number == number)).first()
+    if row is None:
+        get_task(session, task_id=task_id)
+        raise NotFoundError(f"task {task_id!r} has no round {number}")
+    return row
+
+
+def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
+    """Open the task's next round at its current version, or return the open one."""
+    with rt.state_lock, rt.transaction() as s:
+        task = get_task(s, task_id=task_id)
+        last = _latest_round(s, task_id)
+        if last is not None and last.state == RoundState.OPEN:
+            return RoundPlan.model_validate_json(last.plan_json)
+        if last is not None and last.state == RoundState.AGGREGATING:
+            raise ConflictError(f"round {last.number} of task {task_id!r} is still aggregating")
+        spec = spec_of(task)
+        h = spec.hyper
+        number = 1 if last is None else last.number + 1
+        now = utcnow()
+        plan = RoundPlan(task_id=task_id, round=number, version=task.current_version,
+                         seeds=draw_seeds(task.secret, number, h.steps, h.perturbations),
+                         lr=h.lr, eps=h.eps, batch_size=h.batch_size, clip=h.clip,
+                         one_sided=h.one_sided, scope=spec.scope,
+                         deadline=now + timedelta(seconds=task.round_timeout_s),
+                         quorum=task.quorum)
+        row = RoundRow(task_id=task_id, number=number, base_version=task.current_version,
+                       state=RoundState.OPEN, plan_json=plan.model_dump_json(),
+                       quorum=task.quorum, deadline=plan.deadline, opened_at=now,
+                       participants=0, upload_bytes=0)
+        s.add(row)
+        s.flush()
+        rt.plan_cache[task_id] = (row.id, plan)
+        rt.upload_counts[row.id] = 0
+    rt.metrics.rounds_opened.inc()
+    return plan
+
+
+def open_plan(rt: Runtime, *, task_id: str) -> tuple[int, RoundPlan] | None:
+    """(round id, plan) of the task's open round, cached; None when no round is open."""
+    if task_id in rt.plan_cache:
+        return rt.plan_cache[task_id]
+    with rt.transaction() as s:
+        get_task(s, task_id=task_id)
+        row = s.scalars(select(RoundRow).where(RoundRow.task_id == task_id,
+                                               RoundRow.state == RoundState.OPEN)).first()
+        hit = None if row is None else (row.id, RoundPlan.model_validate_json(row.plan_json))
+    rt.plan_cache[task_id] = hit
+    return hit
+
+
+def current_plan(rt: Runtime, *, task_id: str) -> RoundPlan | None:
+    hit = open_plan(rt, task_id=task_id)
+    return None if hit is None else hit[1]
+
+
+def _begin_close(rt: Runtime, task_id: str, number: int | None = None,
+                 round_id: int | None = None) -> int:
+    """Unit of work 1: stop uploads. Returns the id of the round to aggregate."""
+    with rt.state_lock, rt.transaction() as s:
+        get_task(s, task_id=task_id)
+        q = select(RoundRow).where(RoundRow.task_id == task_id,
+                                   RoundRow.state.in_([RoundState.OPEN, RoundState.AGGREGATING]))
+        if number is not None:
+            q = q.where(RoundRow.number == number)
+        if round_id is not None:
+            q = q.where(RoundRow.id == round_id)
+        row = s.scalars(q).first()
+        if row is None:
+            if number is not None:
+                got = get_round(s, task_id=task_id, number=number)
+                raise RoundClosedError(f"round {number} of task {task_id!r} is {got.state}")
+            raise ConflictError(f"task {task_id!r} has no open round to close")
+        if row.state == RoundState.OPEN:
+            n = s.scalar(select(func.count()).select_from(UploadRow)
+                         .where(UploadRow.round_id == row.id)) or 0
+            if n == 0:
+                raise EmptyRoundError(f"round {row.number} of task {task_id!r} has no uploads "
+                                      "to aggregate")
+            row.state = RoundState.AGGREGATING
+        rt.plan_cache[task_id] = None
+        return row.id
+
+
+def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
+    """Aggregate an `aggregating` round, write its files, commit its version (unit of work 2)."""
+    started = time.perf_counter()
+    with rt.task_lock(task_id):
+        with rt.transaction() as s:
+            task = get_task(s, task_id=task_id)
+            row = s.get(RoundRow, round_id)
+            assert row is not None and row.task_id == task_id
+            if row.state == RoundState.CLOSED and row.result_version is not None:
+                done = s.get(VersionRow, (task_id, row.result_version))
+                assert done is not None
+                return wire_of(done, task_id)
+            spec = spec_of(task)
+            plan = RoundPlan.model_validate_json(row.plan_json)
+            uploads = list(s.scalars(select(UploadRow).where(UploadRow.round_id == round_id)
+                                     .order_by(UploadRow.device_id)))
+            base, number, secret = row.base_version, row.number, task.secret
+        if base != task.current_version:
+            raise ConflictError(f"round {number} was planned at v{base} but task {task_id!r} "
+                                f"is at v{task.current_version}")
+        combined = combine(
+            task_id=task_id, base_version=base, round_number=number, seeds=plan.flat_seeds,
+            perturbations=plan.perturbations, lr=plan.lr,
+            matrices=[np.frombuffer(u.scalars, dtype="<f4").reshape(u.rows, u.cols)
+                      for u in uploads],
+            num_examples=[u.num_examples for u in uploads], losses=[u.loss for u in uploads],
+            config=spec.aggregation, secret=secret)
+        master = load_master(rt, task_id=task_id)
+        entry = combined.entry
+        with master.lock:
+            scope: Scope = master.bundle.scope
+            try:
+                chk = apply_entry(scope, entry.seeds, entry.coefs, rt.faults.mid_aggregation)
+                fp32, snap = write_version_files(rt, task_id=task_id, version=base + 1,
+                                                 spec=spec, master=master, chk=chk)
+                if rt.faults.after_files is not None:
+                    rt.faults.after_files()
+                elapsed = time.perf_counter() - started
+                with rt.transaction() as s:
+                    moved = s.execute(update(TaskRow).where(
+                        TaskRow.id == task_id, TaskRow.current_version == base).values(
+                        current_version=base + 1)).rowcount
+                    if moved != 1:
+                        raise ConflictError(f"task {task_id!r} moved past v{base} during the "
+                                            f"close of round {number}")
+                    s.add(VersionRow(
+                        task_id=task_id, version=base + 1, round_number=number,
+                        seeds_json=json.dumps(list(entry.seeds)),
+                        coefs=np.asarray(entry.coefs, dtype="<f4").tobytes(), checksum=chk,
+                        master_path=fp32.path, master_sha256=fp32.sha256,
+                        master_bytes=fp32.nbytes, snapshot_path=snap.path,
+                        snapshot_sha256=snap.sha256, snapshot_bytes=snap.nbytes,
+                        noise_std=combined.noise_std))
+                    r = s.get(RoundRow, round_id)
+                    assert r is not None
+                    r.state = RoundState.CLOSED
+                    r.closed_at = utcnow()
+                    r.participants = len(uploads)
+                    r.loss = combined.loss
+                    r.upload_bytes = sum(u.wire_bytes for u in uploads)
+                    r.aggregation_s = elapsed
+                    r.result_version = base + 1
+            except BaseException:
+                # The in-memory master may hold a partial update: forget it, so the next use
+                # reloads the committed version from the store (cheaper than a stash copy).
+                rt.drop_master(task_id)
+                raise
+            master.version = base + 1
+    rt.upload_counts.pop(round_id, None)
+    rt.metrics.rounds_closed.inc()
+    rt.metrics.aggregation_seconds.observe(time.perf_counter() - started)
+    return LogEntryWire.from_entry(LogEntry(task_id, base, entry.seeds, entry.coefs, chk))
+
+
+def close_round(rt: Runtime, *, task_id: str, number: int | None = None,
+                round_id: int | None = None) -> LogEntryWire:
+    """Aggregate what arrived in the open round (only if it is round `number` / row
+    `round_id`, when given) and commit the new version."""
+    return _finish(rt, task_id, _begin_close(rt, task_id, number, round_id))
+
+
+def close_if_due(rt: Runtime, *, task_id: str, round_id: int) -> LogEntryWire | None:
+    """Close round `round_id` if it is still open and reached its quorum (upload path)."""
+    hit = rt.plan_cache.get(task_id)
+    if hit is None or hit[0] != round_id or rt.upload_counts.get(round_id, 0) < hit[1].quorum:
+        return None
+    try:
+        return close_round(rt, task_id=task_id, round_id=round_id)
+    except ConflictError:
+        return None  # closed concurrently
+
+
+def expire_round(rt: Runtime, *, task_id: str, round_id: int) -> bool:
+    """Close an open round without uploads at its deadline (no new version). True if done."""
+    with rt.state_lock, rt.transaction() as s:
+        row = s.get(RoundRow, round_id)
+        if row is None or row.state != RoundState.OPEN:
+            return False
+        n = s.scalar(select(func.count()).select_from(UploadRow)
+                     .where(UploadRow.round_id == round_id)) or 0
+        if n:
+            return False
+        row.state = RoundState.EXPIRED
+        row.closed_at = utcnow()
+        rt.plan_cache[task_id] = None
+    rt.metrics.rounds_expired.inc()
+    return True
+
+
+def due_rounds(rt: Runtime) -> list[tuple[str, int, bool]]:
+    """Open rounds at quorum or past their deadline: (task_id, round id, has uploads)."""
+    now = utcnow()
+    out: list[tuple[str, int, bool]] = []
+    with rt.transaction() as s:
+        counts = (select(UploadRow.round_id, func.count().label("n"))
+                  .group_by(UploadRow.round_id).subquery())
+        q = (select(RoundRow.task_id, RoundRow.id, RoundRow.quorum, RoundRow.deadline,
+                    func.coalesce(counts.c.n, 0))
+             .outerjoin(counts, counts.c.round_id == RoundRow.id)
+             .where(RoundRow.state == RoundState.OPEN))
+        for task_id, rid, quorum, deadline, n in s.execute(q):
+            if n >= quorum or deadline <= now:
+                out.append((task_id, rid, n > 0))
+    return out
+
+
+def open_idle(rt: Runtime) -> list[RoundPlan]:
+    """Open a round in every task that has none open or aggregating (auto-open schedule)."""
+    with rt.transaction() as s:
+        busy = select(RoundRow.task_id).where(
+            RoundRow.state.in_([RoundState.OPEN, RoundState.AGGREGATING]))
+        idle = list(s.scalars(select(TaskRow.id).where(TaskRow.id.not_in(busy))))
+    plans = []
+    for task_id in idle:
+        try:
+            plans.append(open_round(rt, task_id=task_id))
+        except ConflictError:
+            continue
+    return plans
+
+
+def tick(rt: Runtime, *, auto_open: bool = False) -> list[LogEntryWire]:
+    """Close every round that reached its quorum or deadline; expire empty ones at deadline;
+    with `auto_open`, then open the next round of every idle task."""
+    closed: list[LogEntryWire] = []
+    for task_id, rid, has_uploads in due_rounds(rt):
+        if not has_uploads:
+            expire_round(rt, task_id=task_id, round_id=rid)
+            continue
+        try:
+            closed.append(close_round(rt, task_id=task_id, round_id=rid))
+        except (ConflictError, NotFoundError):
+            continue  # closed concurrently by an admin or the upload path
+    if auto_open:
+        open_idle(rt)
+    return closed
+
+
+def recover(rt: Runtime) -> list[LogEntryWire]:
+    """Finish every round a crash left `aggregating` (same entry as the interrupted close)."""
+    with rt.transaction() as s:
+        pending = list(s.execute(select(RoundRow.task_id, RoundRow.id)
+                                 .where(RoundRow.state == RoundState.AGGREGATING)))
+    return [_finish(rt, task_id, rid) for task_id, rid in pending]

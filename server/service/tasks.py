@@ -1,0 +1,166 @@
+"""Tasks: creation (version 0 in the model store), listing, status, and the loaded masters."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+from seedfed.shared.models import build_model
+from seedfed.shared.replay import checksum
+from seedfed.shared.task import TaskSpec
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from .. import privacy
+from ..errors import InvalidTaskError, NotFoundError, StoreError
+from ..formats import publisher
+from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow
+from ..runtime import Master, Runtime
+from ..schemas import TaskStatus
+from ..store import StoredFile
+
+
+def hash_token(token: str) -> str:
+    # Tokens are 256-bit random strings: a plain SHA-256 is enough (no dictionary to attack).
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def spec_of(task: TaskRow) -> TaskSpec:
+    return TaskSpec.from_dict(json.loads(task.spec_json))
+
+
+def get_task(session: Session, *, task_id: str) -> TaskRow:
+    task = session.get(TaskRow, task_id)
+    if task is None:
+        raise NotFoundError(f"task {task_id!r} does not exist")
+    return task
+
+
+def get_version(session: Session, *, task_id: str, version: int) -> VersionRow:
+    row = session.get(VersionRow, (task_id, version))
+    if row is None:
+        current = get_task(session, task_id=task_id).current_version
+        raise NotFoundError(f"task {task_id!r} has no version {version} (current: {current})")
+    return row
+
+
+def write_version_files(rt: Runtime, *, task_id: str, version: int, spec: TaskSpec,
+                        master: Master, chk: str) -> tuple[StoredFile, StoredFile]:
+    """fp32 master and published snapshot of `version`; both on disk before any commit."""
+    state = master.bundle.scope.read()
+    meta = {"task_id": task_id, "version": str(version), "checksum": chk}
+    fp32 = rt.store.write_state(task_id, version, "master", state, {**meta, "format": "fp32"})
+    if spec.format == "fp32":
+        return fp32, fp32
+    published = publisher(spec.format)(state, master.bundle.scope)
+    snap = rt.store.write_state(task_id, version, spec.format, published,
+                                {**meta, "format": spec.format})
+    return fp32, snap
+
+
+def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | None = None,
+                quorum: int = 1, round_timeout_s: float = 600.0,
+                devices_per_round: int | None = None) -> tuple[str, str, int, str]:
+    """Build version 0 of the task's trainable state, store it, and commit the task.
+
+    Returns (task_id, join_token, version 0, checksum).
+    """
+    try:
+        if isinstance(spec, dict):
+            spec = TaskSpec.from_dict(spec)
+    except (TypeError, ValueError) as e:
+        raise InvalidTaskError(f"invalid task spec: {e}") from e
+    if quorum < 1 or round_timeout_s <= 0 or (devices_per_round is not None
+                                                and devices_per_round < 1):
+        raise InvalidTaskError(f"quorum ({quorum}), round_timeout_s ({round_timeout_s}) and "
+                               f"devices_per_round ({devices_per_round}) must be positive")
+    publisher(spec.format)  # unknown or not yet available formats fail before any work
+    try:
+        bundle = build_model(spec, initialize=True)
+    except Exception as e:  # any loader failure is the spec's fault from the API's view
+        raise InvalidTaskError(f"cannot build the task's model from {spec.model_path!r}: "
+                               f"{type(e).__name__}: {e}") from e
+    task_id = secrets.token_hex(8)
+    join_token = secrets.token_urlsafe(24)
+    master = Master(bundle=bundle, version=0)
+    chk = checksum(bundle.scope)
+    fp32, snap = write_version_files(rt, task_id=task_id, version=0, spec=spec, master=master,
+                                     chk=chk)
+    with rt.transaction() as s:
+        s.add(TaskRow(id=task_id, name=name or task_id, spec_json=json.dumps(spec.to_dict()),
+                      format=spec.format, quorum=quorum, round_timeout_s=round_timeout_s,
+                      devices_per_round=devices_per_round, join_token_hash=hash_token(join_token),
+                      secret=secrets.token_hex(16), current_version=0,
+                      scope_numel=bundle.scope.numel))
+        s.flush()
+        s.add(VersionRow(task_id=task_id, version=0, round_number=None, seeds_json="[]",
+                         coefs=b"", checksum=chk, master_path=fp32.path,
+                         master_sha256=fp32.sha256, master_bytes=fp32.nbytes,
+                         snapshot_path=snap.path, snapshot_sha256=snap.sha256,
+                         snapshot_bytes=snap.nbytes, noise_std=0.0))
+    rt.keep_master(task_id, master)
+    rt.plan_cache[task_id] = None
+    return task_id, join_token, 0, chk
+
+
+def load_master(rt: Runtime, *, task_id: str) -> Master:
+    """The task's master at its committed version, from memory or from the model store."""
+    with rt.transaction() as s:
+        task = get_task(s, task_id=task_id)
+        row = get_version(s, task_id=task_id, version=task.current_version)
+        spec = spec_of(task)
+    master = rt.cached_master(task_id)
+    if master is not None and master.version == row.version:
+        return master
+    bundle = build_model(spec, initialize=False)
+    bundle.scope.write(rt.store.read_state(row.master_path, row.master_sha256))
+    got = checksum(bundle.scope)
+    if got != row.checksum:
+        raise StoreError(f"task {task_id} v{row.version}: master file hashes to {got[:16]}..., "
+                         f"the database says {row.checksum[:16]}...")
+    master = Master(bundle=bundle, version=row.version)
+    rt.keep_master(task_id, master)
+    return master
+
+
+def list_tasks(session: Session) -> list[TaskRow]:
+    return list(session.scalars(select(TaskRow).order_by(TaskRow.created_at, TaskRow.id)))
+
+
+def dp_epsilon(session: Session, *, task: TaskRow, delta: float) -> float | None:
+    config = spec_of(task).aggregation
+    if config.dp_clip is None:
+        return None
+    rounds = session.scalar(select(func.count()).select_from(VersionRow).where(
+        VersionRow.task_id == task.id, VersionRow.version > 0)) or 0
+    return privacy.epsilon(config.dp_noise_multiplier, rounds, delta)
+
+
+def devices_seen(session: Session, *, task_id: str) -> int:
+    q = (select(func.count(func.distinct(UploadRow.device_id)))
+         .join(RoundRow, RoundRow.id == UploadRow.round_id).where(RoundRow.task_id == task_id))
+    return session.scalar(q) or 0
+
+
+def task_status(session: Session, *, task_id: str, delta: float) -> TaskStatus:
+    task = get_task(session, task_id=task_id)
+    spec = spec_of(task)
+    version = get_version(session, task_id=task_id, version=task.current_version)
+    last = session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
+                           .order_by(RoundRow.number.desc()).limit(1)).first()
+    state = "idle"
+    if last is not None and last.state in (RoundState.OPEN, RoundState.AGGREGATING):
+        state = last.state
+    devices = session.scalar(select(func.count()).select_from(DeviceRow).where(
+        DeviceRow.task_id == task_id, DeviceRow.revoked_at.is_(None))) or 0
+    eps = dp_epsilon(session, task=task, delta=delta)
+    return TaskStatus(
+        task_id=task.id, name=task.name, version=task.current_version, checksum=version.checksum,
+        round=None if last is None else last.number, state=state,  # type: ignore[arg-type]
+        devices=devices, devices_seen=devices_seen(session, task_id=task_id),
+        quorum=task.quorum, round_timeout_s=task.round_timeout_s,
+        devices_per_round=task.devices_per_round, scope=spec.scope, scope_numel=task.scope_numel,
+        format=task.format, aggregation=spec.aggregation.rule, epsilon=eps,
+        delta=None if eps is None else delta, created_at=task.created_at)

@@ -1,0 +1,301 @@
+"""Upload ingestion: validation against the open round (no I/O on the hot path beyond cached
+lookups), then batched writes: many uploads per transaction, each with its own outcome.
+
+Validation order, each failure a typed error naming the problem: task and round of the body
+match the URL; the round exists and is open; the upload was computed at the round's version;
+the scalar matrix has the plan's shape, is finite and within the hard limit (the task's clip
+bound when it has one). The write then enforces one upload per device and round: a
+byte-identical retry gets the original receipt, a different second upload is refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+import numpy as np
+from pydantic import ValidationError
+from seedfed.shared.errors import ShapeError, WireFormatError
+from seedfed.shared.wire import Upload, encode_scalars, unpack_binary
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ..aggregation import upload_digest
+from ..errors import (
+    AuthenticationError,
+    DuplicateUploadError,
+    InvalidUploadError,
+    MalformedRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    RoundClosedError,
+    StaleVersionError,
+)
+from ..orm import DeviceRow, RoundRow, RoundState, UploadRow, utcnow
+from ..runtime import Runtime
+from ..schemas import UploadReceipt
+from .rounds import get_round, open_plan
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    task_id: str
+    round_id: int
+    round: int
+    device_id: str | None  # None: authenticate `token_hash` in the write batch
+    matrix: np.ndarray
+    num_examples: int
+    loss: float
+    digest: str
+    wire_bytes: int
+    token_hash: str | None = None
+
+
+def parse_json_upload(body: bytes) -> Upload:
+    try:
+        return Upload.model_validate_json(body)
+    except ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise MalformedRequestError(f"upload body is not valid JSON: "
+                                        f"{e.errors()[0]['msg']}") from e
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+                             for err in e.errors()[:5])
+        raise WireFormatError(f"upload is not a valid Upload JSON document: {problems}") from e
+
+
+def parse_binary_upload(body: bytes, *, task_id: str, round_number: int, version: int,
+                        num_examples: int, loss: float) -> Upload:
+    """The `application/octet-stream` form: body = wire.pack_binary(matrix), the rest from
+    headers (X-Seedfed-Version, X-Seedfed-Num-Examples, X-Seedfed-Loss)."""
+    m = unpack_binary(body)
+    try:
+        return Upload(task_id=task_id, round=round_number, version=version,
+                      shape=(int(m.shape[0]), int(m.shape[1])), scalars=encode_scalars(m),
+                      num_examples=num_examples, loss=loss)
+    except ValidationError as e:
+        raise WireFormatError(f"binary upload headers are invalid: {e.errors()[0]['msg']}") from e
+
+
+def check_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str | None,
+                 upload: Upload, wire_bytes: int, token_hash: str | None = None) -> PendingUpload:
+    """Validate an upload against the open round (cached: no query on the hot path).
+
+    `device_id=None` with a `token_hash` defers authentication to the write batch, which
+    resolves every uncached token of the batch in one query (devices upload once a round, so
+    most tokens are cold after a restart or on a device's first round).
+    """
+    if device_id is None and token_hash is None:
+        raise ValueError("an upload needs a device id or a token hash")
+    if upload.task_id != task_id:
+        raise InvalidUploadError(f"upload is for task {upload.task_id!r} but was sent to "
+                                 f"task {task_id!r}")
+    if upload.round != round_number:
+        raise InvalidUploadError(f"upload is for round {upload.round} but was sent to round "
+                                 f"{round_number}")
+    hit = open_plan(rt, task_id=task_id)
+    if hit is None or hit[1].round != round_number:
+        with rt.transaction() as s:
+            row = get_round(s, task_id=task_id, number=round_number)
+            raise RoundClosedError(f"round {round_number} of task {task_id!r} is {row.state}, "
+                                   "not open for uploads")
+    round_id, plan = hit
+    if upload.version != plan.version:
+        raise StaleVersionError(f"upload was computed at version {upload.version}, round "
+                                f"{round_number} is at version {plan.version}")
+    want = (plan.steps, plan.perturbations)
+    if tuple(upload.shape) != want:
+        raise ShapeError(f"upload shape {list(upload.shape)} does not match the plan's "
+                         f"{list(want)} (steps x perturbations)")
+    m = upload.matrix()
+    limit = plan.clip if plan.clip is not None else rt.settings.scalar_hard_limit
+    worst = float(np.abs(m).max())
+    if worst > limit:
+        i, j = np.unravel_index(int(np.abs(m).argmax()), m.shape)
+        raise InvalidUploadError(f"scalar {float(m[i, j])} at step {i}, perturbation {j} is "
+                                 f"above the hard limit {limit}")
+    return PendingUpload(task_id=task_id, round_id=round_id, round=round_number,
+                         device_id=device_id, matrix=m, num_examples=upload.num_examples,
+                         loss=upload.loss, digest=upload_digest(plan.version, m,
+                                                                upload.num_examples, upload.loss),
+                         wire_bytes=wire_bytes, token_hash=token_hash)
+
+
+Outcome = UploadReceipt | Exception
+
+
+def _authenticate(rt: Runtime, s: Session, pending: list[PendingUpload]
+                  ) -> tuple[list[PendingUpload], list[tuple[int, Exception]]]:
+    """Resolve the uncached tokens of a batch in one query; (authenticated, refusals)."""
+    cold = {p.token_hash for p in pending if p.device_id is None}
+    found: dict[str, DeviceRow] = {}
+    if cold:
+        found = {d.token_hash: d for d in s.scalars(
+            select(DeviceRow).where(DeviceRow.token_hash.in_(cold)))}
+    ok: list[PendingUpload] = []
+    refused: list[tuple[int, Exception]] = []
+    for i, p in enumerate(pending):
+        if p.device_id is not None:
+            ok.append(p)
+            continue
+        assert p.token_hash is not None
+        d = found.get(p.token_hash)
+        if d is None:
+            refused.append((i, AuthenticationError("unknown device token")))
+        elif d.revoked_at is not None:
+            refused.append((i, AuthenticationError(f"device {d.id} has been revoked")))
+        elif d.task_id != p.task_id:
+            refused.append((i, PermissionDeniedError(
+                f"device {d.id} is enrolled in another task, not {p.task_id!r}")))
+        else:
+            rt.token_cache[p.token_hash] = (d.id, d.task_id)
+            ok.append(replace(p, device_id=d.id))
+    return ok, refused
+
+
+def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
+    """Insert a batch of validated uploads in one transaction; one outcome per upload (in
+    order), authentication failures of deferred tokens included."""
+    original = list(pending)
+    out: list[Outcome] = []
+    now = utcnow()
+    with rt.state_lock, rt.transaction() as s:
+        pending, refused = _authenticate(rt, s, pending)
+        rids = {p.round_id for p in pending}
+        devs = {p.device_id for p in pending}
+        states: dict[int, str] = {rid: st for rid, st in s.execute(
+            select(RoundRow.id, RoundRow.state).where(RoundRow.id.in_(rids)))}
+        devices = {d.id: d for d in s.scalars(select(DeviceRow).where(DeviceRow.id.in_(devs)))}
+        seen: dict[tuple[int, str], tuple[str, datetime]] = {
+            (rid, dev): (digest, at) for rid, dev, digest, at in s.execute(
+                select(UploadRow.round_id, UploadRow.device_id, UploadRow.digest,
+                       UploadRow.received_at)
+                .where(UploadRow.round_id.in_(rids), UploadRow.device_id.in_(devs)))}
+        for rid in rids - rt.upload_counts.keys():
+            rt.upload_counts[rid] = s.scalar(select(func.count()).select_from(UploadRow)
+                                             .where(UploadRow.round_id == rid)) or 0
+        counts = {rid: rt.upload_counts[rid] for rid in rids}
+        fresh: list[UploadRow] = []
+        for p in pending:
+            assert p.device_id is not None
+            key = (p.round_id, p.device_id)
+            device = devices.get(p.device_id)
+            if device is None or device.task_id != p.task_id:
+                out.append(NotFoundError(f"task {p.task_id!r} has no device {p.device_id!r}"))
+            elif device.revoked_at is not None:
+                out.append(InvalidUploadError(f"device {p.device_id} has been revoked"))
+            elif key in seen:
+                digest, at = seen[key]
+                if digest != p.digest:
+                    out.append(DuplicateUploadError(
+                        f"device {p.device_id} already uploaded different scalars for round "
+                        f"{p.round}; one upload per device and round"))
+                else:
+                    out.append(UploadReceipt(task_id=p.task_id, round=p.round,
+                                             device_id=p.device_id, digest=digest,
+                                             received_at=at))
+            elif states.get(p.round_id) != RoundState.OPEN:
+                out.append(RoundClosedError(f"round {p.round} of task {p.task_id!r} is "
+                                            f"{states.get(p.round_id)}, not open for uploads"))
+            else:
+                m = np.ascontiguousarray(p.matrix, dtype="<f4")
+                fresh.append(UploadRow(round_id=p.round_id, device_id=p.device_id,
+                                       digest=p.digest, rows=m.shape[0], cols=m.shape[1],
+                                       scalars=m.tobytes(), num_examples=p.num_examples,
+                                       loss=p.loss, wire_bytes=p.wire_bytes, received_at=now))
+                seen[key] = (p.digest, now)
+                counts[p.round_id] += 1
+                out.append(UploadReceipt(task_id=p.task_id, round=p.round,
+                                         device_id=p.device_id, digest=p.digest,
+                                         received_at=now))
+        if fresh:
+            s.add_all(fresh)
+            s.execute(update(DeviceRow).where(DeviceRow.id.in_({u.device_id for u in fresh}))
+                      .values(last_seen_at=now))
+    rt.upload_counts.update(counts)
+    for i, err in refused:  # put the authentication failures back in request order
+        pending.insert(i, original[i])
+        out.insert(i, err)
+    m_ = rt.metrics
+    for p, o in zip(pending, out, strict=True):
+        if isinstance(o, Exception):
+            m_.uploads.labels("rejected").inc()
+        elif o.received_at == now:
+            m_.uploads.labels("accepted").inc()
+            m_.bytes_in.inc(p.wire_bytes)
+        else:
+            m_.uploads.labels("duplicate").inc()
+    return out
+
+
+def submit_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str,
+                  upload: Upload, wire_bytes: int) -> UploadReceipt:
+    """Validate and store one upload (the in-process path); raises the typed error on refusal."""
+    try:
+        p = check_upload(rt, task_id=task_id, round_number=round_number, device_id=device_id,
+                         upload=upload, wire_bytes=wire_bytes)
+    except Exception:
+        rt.metrics.uploads.labels("rejected").inc()
+        raise
+    (result,) = write_uploads(rt, [p])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+class UploadWriter:
+    """A writer thread that commits queued uploads in batches (group commit).
+
+    Under load many uploads share one transaction, so the per-commit cost (an fsync on
+    PostgreSQL, a WAL append on SQLite) is paid once per batch; each upload still gets its own
+    outcome, and its response is sent only after its batch committed.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._q: queue.Queue[tuple[PendingUpload, concurrent.futures.Future[Outcome]] | None] = \
+            queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="seedfed-upload-writer",
+                                        daemon=True)
+        self.batches = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, p: PendingUpload) -> concurrent.futures.Future[Outcome]:
+        fut: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+        self._q.put((p, fut))
+        return fut
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = self._q.get()
+            if item is None:
+                break
+            batch = [item]
+            while len(batch) < self.rt.settings.ingest_batch:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            try:
+                results: list[Outcome] = write_uploads(self.rt, [p for p, _ in batch])
+            except Exception as e:  # the whole batch failed (database down): tell everyone
+                results = [e] * len(batch)
+            self.batches += 1
+            for (_, fut), r in zip(batch, results, strict=True):
+                if isinstance(r, Exception):
+                    fut.set_exception(r)
+                else:
+                    fut.set_result(r)

@@ -1,0 +1,114 @@
+"""Coordinator settings: environment (prefix SEEDFED_), an optional TOML file, then defaults.
+
+Precedence, highest first: keyword arguments, environment variables, the TOML file named by
+SEEDFED_CONFIG (or `Settings(_toml_file=...)`), defaults. In production mode the admin token
+has no default and must be at least 16 characters; in development a missing token is
+generated at random (printed once by `seedfed coordinator`) rather than defaulted to a
+well-known value.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, PrivateAttr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+MIN_PRODUCTION_TOKEN = 16
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SEEDFED_", extra="forbid",
+                                      validate_default=True)
+
+    database_url: str = "sqlite:///seedfed.db"
+    store_dir: Path = Path("seedfed-store")
+    admin_token: str | None = None
+    production: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
+    max_body_bytes: int = Field(default=1 << 20, gt=0)
+    #: Largest |scalar| accepted when the task has no clip bound (a projected gradient beyond
+    #: this is a broken or hostile device, not a signal).
+    scalar_hard_limit: float = Field(default=1e4, gt=0)
+    #: Client-level DP accounting: the delta of the reported (epsilon, delta).
+    dp_delta: float = Field(default=1e-5, gt=0, lt=1)
+    #: How often the background ticker closes rounds past their deadline (seconds).
+    tick_interval_s: float = Field(default=1.0, gt=0)
+    #: Open the next round of every task as soon as its previous one closed (schedule).
+    auto_open_rounds: bool = False
+    #: Let anyone read task lists, status and stats (dashboards); else admin token needed.
+    public_stats: bool = False
+    #: Upload ingestion: most uploads committed in one transaction.
+    ingest_batch: int = Field(default=256, ge=1)
+    #: Master models kept in memory (least recently used beyond this are dropped).
+    max_loaded_models: int = Field(default=4, ge=1)
+    run_migrations: bool = True
+    echo_sql: bool = False
+
+    @model_validator(mode="after")
+    def _admin_token(self) -> Settings:
+        if self.production:
+            if not self.admin_token:
+                raise ValueError("admin_token is required in production mode "
+                                 "(set SEEDFED_ADMIN_TOKEN or --admin-token)")
+            if len(self.admin_token) < MIN_PRODUCTION_TOKEN:
+                raise ValueError(f"admin_token must have at least {MIN_PRODUCTION_TOKEN} "
+                                 f"characters in production mode, got {len(self.admin_token)}")
+        elif not self.admin_token:
+            self.admin_token = secrets.token_urlsafe(24)
+            self._generated_token = True
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("TLS needs both tls_certfile and tls_keyfile")
+        return self
+
+    _generated_token: bool = PrivateAttr(default=False)
+
+    @property
+    def token_was_generated(self) -> bool:
+        return self._generated_token
+
+    @property
+    def token(self) -> str:
+        assert self.admin_token is not None  # set by the validator
+        return self.admin_token
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = os.environ.get("SEEDFED_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(toml)))
+        return tuple(sources)
+
+
+def load_settings(toml_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings with an explicit TOML file (overrides > env > file > defaults)."""
+    if toml_file is None:
+        return Settings(**overrides)
+    path = Path(toml_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"settings file {path} does not exist")
+    old = os.environ.get("SEEDFED_CONFIG")
+    os.environ["SEEDFED_CONFIG"] = str(path)
+    try:
+        return Settings(**overrides)
+    finally:
+        if old is None:
+            os.environ.pop("SEEDFED_CONFIG", None)
+        else:
+            os.environ["SEEDFED_CONFIG"] = old

@@ -1,0 +1,110 @@
+"""The plain-HTTP device against the real coordinator app (FastAPI TestClient, SQLite)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from seedfed.client.device_data import DeviceData
+from seedfed.client.http_device import DeviceConfig, DeviceHttpError, HttpDevice
+from seedfed.server.app import create_app
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.settings import Settings
+from seedfed.shared.task import Hyper, TaskSpec
+
+from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("http")
+    return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
+
+
+@pytest.fixture
+def world(assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
+    model, data = assets
+    coord = Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                      store_dir=tmp_path / "store"))
+    spec = TaskSpec(model_path=str(model), label_texts=("bad", "good"),
+                    hyper=Hyper(lr=1e-3, eps=1e-2, steps=2, perturbations=2, batch_size=8),
+                    max_seq_len=16)
+    task_id, join = coord.create_task_with_token(spec, quorum=50)  # closed by hand below
+    with TestClient(create_app(runtime=coord.rt)) as client:
+        def device(i: int, token: str | None = join) -> HttpDevice:
+            cfg = DeviceConfig(url="http://testserver", task_id=task_id, join_token=token,
+                               state_dir=tmp_path / f"dev{i}", model=str(model), poll_s=0.05,
+                               data=DeviceData(source=str(data), partition_id=i,
+                                               num_partitions=2, alpha=1.0))
+            return HttpDevice(cfg, client=client)
+
+        yield {"coord": coord, "task": task_id, "device": device}
+    coord.close()
+
+
+def test_two_devices_train_two_rounds_and_match_the_coordinator(world: dict) -> None:
+    coord, task = world["coord"], world["task"]
+    devices = [world["device"](0), world["device"](1)]
+    for d in devices:
+        d.enroll()
+
+    plan1 = coord.open_round(task)
+    first = [d.train_and_upload(plan1) for d in devices]
+    coord.close_round(task)
+    plan2 = coord.open_round(task)
+    second = [d.train_and_upload(plan2) for d in devices]
+    coord.close_round(task)
+    synced = [d.sync() for d in devices]
+
+    status = coord.task_status(task)
+    assert status.version == 2
+    assert [o.sync for o in first] == ["snapshot", "snapshot"]
+    assert [o.sync for o in second] == ["replay", "replay"]
+    assert {s.checksum for s in synced} == {status.checksum}
+    assert all(o.upload_bytes == 16 + 4 * 2 * 2 for o in first + second)
+    assert [m.participants for m in coord.round_metrics(task)[:2]] == [2, 2]
+
+
+def test_a_restarted_device_keeps_its_token_and_state(world: dict) -> None:
+    coord, task = world["coord"], world["task"]
+    d = world["device"](0)
+    d.enroll()
+    coord.open_round(task)
+    d.run(rounds=1)
+    coord.close_round(task)
+    d.sync()
+
+    again = world["device"](0, token=None)  # no join token: must reuse the stored one
+    result = again.sync()
+
+    assert again.enroll() == d.meta["device_id"]
+    assert result.method == "none"
+    assert result.checksum == coord.task_status(task).checksum
+
+
+def test_a_wrong_join_token_is_refused_with_the_coordinators_reason(world: dict) -> None:
+    d = world["device"](0, token="not-the-token")
+
+    with pytest.raises(DeviceHttpError) as e:
+        d.enroll()
+
+    assert 400 <= e.value.status < 500
+    assert e.value.detail
+
+
+def test_a_device_without_a_token_cannot_start(world: dict) -> None:
+    d = world["device"](0, token=None)
+
+    with pytest.raises(Exception, match="join token"):
+        d.enroll()

