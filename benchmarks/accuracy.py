@@ -29,7 +29,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,14 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from seedfed.client import recipes  # noqa: E402
-from seedfed.client.data import Examples, dirichlet_partition, load_labelled, split, \
-    train_batches  # noqa: E402
-from seedfed.client.evaluate import accuracy  # noqa: E402
+from seedfed.client.data import (
+    Examples,
+    dirichlet_partition,
+    load_labelled,
+    split,
+    train_batches,  # noqa: E402
+)
+from seedfed.client.evaluate import accuracy, warm_cache  # noqa: E402
 from seedfed.client.trainer import LocalTrainer, classification_loss  # noqa: E402
 from seedfed.shared.aggregate import build_entry  # noqa: E402
 from seedfed.shared.models import ModelBundle, build_model  # noqa: E402
@@ -102,10 +106,30 @@ def _eval(curve: Curve, bundle: ModelBundle, test: Examples, x: float, loss: flo
     _log(f"  {curve.method:11s} x={x:>9.0f} acc={acc:.4f} loss={loss:.4f}")
 
 
-def fed_zo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Examples,
+class Models:
+    """One model per scope, built once, its version 0 kept: every method restarts from the same
+    version 0 and shares the per-example feature cache (each example is encoded once, as a
+    device encodes its private examples once when only the top of the model trains)."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, tuple[ModelBundle, dict[str, torch.Tensor]]] = {}
+
+    def get(self, spec: TaskSpec) -> ModelBundle:
+        key = json.dumps(replace(spec, hyper=replace(spec.hyper, batch_size=1)).to_dict(),
+                         sort_keys=True, default=str)
+        if key not in self._built:
+            bundle = build_model(spec, initialize=True)
+            self._built[key] = (bundle, bundle.scope.read())
+        bundle, v0 = self._built[key]
+        bundle.scope.write(v0)
+        bundle.spec = spec
+        return bundle
+
+
+def fed_zo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: Examples,
            cfg: FedConfig) -> Curve:
     """Federated ZO, in process: the coordinator's math on the devices' scalars."""
-    bundle = build_model(spec, initialize=True)
+    spec = bundle.spec
     hyper = spec.hyper
     trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
     device_data = [pool.subset(p) for p in parts]
@@ -144,11 +168,11 @@ def fed_zo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Exampl
     return curve
 
 
-def central_zo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Examples,
-               cfg: FedConfig, budget: int, batch: int) -> Curve:
+def central_zo(models: Models, spec: TaskSpec, pool: Examples, parts: list[np.ndarray],
+               test: Examples, cfg: FedConfig, budget: int, batch: int) -> Curve:
     """One device with all the data, the same recipe, `budget` example-forwards."""
     hyper = replace(spec.hyper, batch_size=batch)
-    bundle = build_model(replace(spec, hyper=hyper), initialize=True)
+    bundle = models.get(replace(spec, hyper=hyper))
     trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
     union = pool.subset(np.sort(np.concatenate(parts)))
     stream = train_batches(union, bundle.tokenizer, batch, spec.max_seq_len,
@@ -176,41 +200,34 @@ def central_zo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Ex
     return curve
 
 
-def _fo_batches(examples: Examples, bundle: ModelBundle, batch: int,
-                rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    return train_batches(examples, bundle.tokenizer, batch, bundle.spec.max_seq_len, rng)
-
-
-def fedavg_fo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Examples,
+def fedavg_fo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: Examples,
               cfg: FedConfig, rounds: int, local_steps: int, lr: float, batch: int) -> Curve:
-    """First-order FedAvg of the whole model (backprop + a fresh AdamW per device and round)."""
-    fo_spec = replace(spec, scope="full")
-    bundle = build_model(fo_spec, initialize=True)
-    model = bundle.model
-    names = [n for n, _ in model.named_parameters()]
+    """First-order FedAvg of the bundle's scope: each sampled device runs backprop + a fresh
+    AdamW from the global weights, the coordinator averages the scope by example count."""
+    model, scope = bundle.model, bundle.scope
+    params = [t.tensor for t in scope]
     device_data = [pool.subset(p) for p in parts]
-    streams = [_fo_batches(d, bundle, batch, np.random.default_rng([cfg.seed, 6, i]))
+    streams = [train_batches(d, bundle.tokenizer, batch, bundle.spec.max_seq_len,
+                             np.random.default_rng([cfg.seed, 6, i]))
                for i, d in enumerate(device_data)]
     rng = np.random.default_rng([cfg.seed, 7])
-    curve = Curve("fedavg_fo", extra={"rounds": rounds, "local_steps": local_steps, "lr": lr,
-                                      "batch_size": batch})
+    curve = Curve(f"fedavg_fo_{bundle.spec.scope}", extra={
+        "rounds": rounds, "local_steps": local_steps, "lr": lr, "batch_size": batch,
+        "scope_numel": scope.numel})
     started = time.perf_counter()
     _eval(curve, bundle, test, 0, math.nan)
-    every = max(1, rounds // 5)
+    every = max(1, rounds // 6)
+    model.eval()  # dropout off, as in the ZO runs
     for r in range(rounds):
         chosen = rng.choice(cfg.devices, size=cfg.per_round, replace=False)
-        global_state = {n: p.detach().clone() for n, p in model.named_parameters()}
-        acc_state = {n: torch.zeros_like(p) for n, p in global_state.items()}
+        global_state = scope.read()
+        summed = {n: torch.zeros_like(v) for n, v in global_state.items()}
         total, losses = 0, []
         for d in chosen:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(global_state[n])
-            params = [p for p in model.parameters()]
+            scope.write(global_state)
             for p in params:
                 p.requires_grad_(True)
             opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-            model.train(False)  # dropout off, as the ZO runs
             n_ex = 0
             for _ in range(local_steps):
                 b = next(streams[d])
@@ -222,27 +239,24 @@ def fedavg_fo(spec: TaskSpec, pool: Examples, parts: list[np.ndarray], test: Exa
                 n_ex += int(b["labels"].shape[0])
                 curve.forwards += 1
                 curve.example_forwards += int(b["labels"].shape[0])
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    acc_state[n] += n_ex * p.detach()
-            total += n_ex
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(acc_state[n] / total)
+            for p in params:
                 p.requires_grad_(False)
+                p.grad = None
+            for n, v in scope.read().items():
+                summed[n] += n_ex * v
+            total += n_ex
+        scope.write({n: v / total for n, v in summed.items()})
         if (r + 1) % every == 0 or r + 1 == rounds:
             _eval(curve, bundle, test, curve.example_forwards, float(np.mean(losses)))
-    del names
     curve.wall_seconds = time.perf_counter() - started
     curve.final_accuracy = curve.points[-1]["accuracy"]
     return curve
 
 
-def zero_shot_and_probe(spec: TaskSpec, pool: Examples, parts: list[np.ndarray],
-                        test: Examples) -> tuple[Curve, Curve]:
+def zero_shot_and_probe(models: Models, spec: TaskSpec, pool: Examples,
+                        parts: list[np.ndarray], test: Examples) -> tuple[Curve, Curve]:
     """Version 0, and a logistic-regression probe (full-batch Adam) on frozen embeddings."""
-    bundle = build_model(replace(spec, scope="named",
-                                 scope_options={"patterns": ("classifier",)}), initialize=True)
+    bundle = models.get(replace(spec, scope="named", scope_options={"patterns": ("classifier",)}))
     started = time.perf_counter()
     zs = Curve("zero_shot")
     zs.final_accuracy = accuracy(bundle, test).accuracy
@@ -307,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--model", default=None, help="local HF dir (default: packaged MiniLM)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/accuracy.json"))
-    ap.add_argument("--methods", default="zero_shot,probe,fed_zo,central_zo,fedavg_fo")
+    ap.add_argument("--methods", default="zero_shot,probe,fed_zo,central_zo,fedavg_fo",
+                    help="also: fedavg_fo_full (first-order FedAvg of the whole model; slow)")
     ap.add_argument("--devices", type=int, default=FedConfig.devices)
     ap.add_argument("--alpha", type=float, default=FedConfig.alpha)
     ap.add_argument("--train-pool", type=int, default=FedConfig.train_pool)
@@ -324,9 +339,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--central-batch", default="pooled", help="pooled, device, or both")
-    ap.add_argument("--fo-rounds", type=int, default=10)
+    ap.add_argument("--fo-rounds", type=int, default=30)
     ap.add_argument("--fo-steps", type=int, default=4)
-    ap.add_argument("--fo-lr", type=float, default=1e-4)
+    ap.add_argument("--fo-lr", type=float, default=1e-2, help="AdamW lr on the ZO scope")
+    ap.add_argument("--fo-full-rounds", type=int, default=5)
+    ap.add_argument("--fo-full-lr", type=float, default=5e-5, help="AdamW lr, whole model")
+    ap.add_argument("--on-validation", action="store_true", help="score on the validation "
+                    "split (for tuning) instead of the test split")
     ap.add_argument("--fo-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
@@ -354,14 +373,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     per_round=args.per_round or recipe.per_round, seed=args.seed,
                     eval_every=args.eval_every or max(1, (args.rounds or recipe.rounds) // 6))
     methods = args.methods.split(",")
-    pool, parts, _val, test = carve(args.data, cfg)
+    pool, parts, val, test = carve(args.data, cfg)
+    if args.on_validation:
+        test = val.subset(range(min(cfg.test_size, len(val))))
     _log(f"pool {len(pool)} examples on {cfg.devices} devices (sizes "
          f"{min(len(p) for p in parts)}..{max(len(p) for p in parts)}), test {len(test)}")
     _log(f"spec: scope={spec.scope} {spec.scope_options} hyper={spec.hyper}")
     curves: list[Curve] = []
     refs: dict[str, float] = {}
+    models = Models()
+    started = time.perf_counter()
+    bundle = models.get(spec)
+    if getattr(bundle.model, "frozen_prefix", 0):
+        warm_cache(bundle, test)
+        warm_cache(bundle, pool)
+    _log(f"model + feature cache ready in {time.perf_counter() - started:.0f} s")
     if "zero_shot" in methods or "probe" in methods:
-        zs, probe = zero_shot_and_probe(spec, pool, parts, test)
+        zs, probe = zero_shot_and_probe(models, spec, pool, parts, test)
         refs = {"zero_shot": zs.final_accuracy, "probe": probe.final_accuracy}
         curves_ref = [zs, probe]
         _log(f"zero-shot {zs.final_accuracy:.4f}  probe {probe.final_accuracy:.4f}")
@@ -369,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         curves_ref = []
     fed = None
     if "fed_zo" in methods:
-        fed = fed_zo(spec, pool, parts, test, cfg)
+        fed = fed_zo(models.get(spec), pool, parts, test, cfg)
         curves.append(fed)
     if "central_zo" in methods:
         budget = fed.example_forwards if fed else (cfg.rounds * cfg.per_round * hyper.steps
@@ -377,10 +405,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batches = {"pooled": [cfg.per_round * hyper.batch_size], "device": [hyper.batch_size],
                    "both": [cfg.per_round * hyper.batch_size, hyper.batch_size]}
         for b in batches[args.central_batch]:
-            curves.append(central_zo(spec, pool, parts, test, cfg, budget, b))
+            curves.append(central_zo(models, spec, pool, parts, test, cfg, budget, b))
     if "fedavg_fo" in methods:
-        curves.append(fedavg_fo(spec, pool, parts, test, cfg, args.fo_rounds, args.fo_steps,
-                                args.fo_lr, args.fo_batch))
+        curves.append(fedavg_fo(models.get(spec), pool, parts, test, cfg, args.fo_rounds,
+                                args.fo_steps, args.fo_lr, args.fo_batch))
+    if "fedavg_fo_full" in methods:
+        curves.append(fedavg_fo(models.get(replace(spec, scope="full", scope_options={})),
+                                pool, parts, test, cfg, args.fo_full_rounds, args.fo_steps,
+                                args.fo_full_lr, args.fo_batch))
     result = {
         "benchmark": "accuracy", "data": str(args.data), "config": asdict(cfg),
         "spec": spec.to_dict(), "torch_threads": torch.get_num_threads(),

@@ -93,9 +93,9 @@ def client_proc(base: str, task_id: str, work: list[tuple[str, str]], concurrenc
                 start_at: float, out: Any) -> None:
     import httpx
 
-    async def run() -> tuple[list[float], int, float, float]:
+    async def run() -> tuple[list[float], dict[str, int], float, float]:
         lat: list[float] = []
-        bad = 0
+        bad: dict[str, int] = {}
         queue = list(reversed(work))
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
@@ -109,10 +109,16 @@ def client_proc(base: str, task_id: str, work: list[tuple[str, str]], concurrenc
                 while queue:
                     token, body = queue.pop()
                     t0 = time.perf_counter()
-                    r = await client.post(url, content=body, headers={
-                        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+                    try:
+                        r = await client.post(url, content=body, headers={
+                            "Authorization": f"Bearer {token}",
+                            "Content-Type": "application/json"})
+                        if r.status_code != 200:
+                            key = f"{r.status_code}: {r.text[:80]}"
+                            bad[key] = bad.get(key, 0) + 1
+                    except httpx.HTTPError as e:  # a timeout is an error, with its latency
+                        bad[type(e).__name__] = bad.get(type(e).__name__, 0) + 1
                     lat.append(time.perf_counter() - t0)
-                    bad += r.status_code != 200
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return lat, bad, t_start, time.time()
@@ -198,7 +204,10 @@ def bench(backend: str, args: argparse.Namespace, model: Path) -> dict[str, Any]
     return {
         "backend": backend, "uploads": len(lat), "clients": per * args.client_procs,
         "client_processes": args.client_procs, "scalars_per_upload": args.seeds,
-        "errors": sum(r[1] for r in results), "stored": stored, "wall_s": wall,
+        "errors": sum(n for r in results for n in r[1].values()),
+        "error_kinds": {k: sum(r[1].get(k, 0) for r in results)
+                        for k in {k for r in results for k in r[1]}},
+        "stored": stored, "wall_s": wall,
         "uploads_per_s": len(lat) / wall, "p50_ms": 1e3 * statistics.median(lat),
         "p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))], "max_ms": 1e3 * lat[-1],
         "setup_s": setup_s, "body_bytes": len(bodies[0]),

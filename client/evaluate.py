@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
 from seedfed.shared.models import ModelBundle, build_model
 from seedfed.shared.task import TaskSpec
 
@@ -52,6 +51,14 @@ def predict(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATC
                          bundle.spec.max_seq_len)
         preds[torch.tensor(idx)] = model(**batch).logits.argmax(dim=-1)
     return preds
+
+
+def warm_cache(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> None:
+    """Encode examples once in length-sorted batches, filling the model's feature cache (when
+    its bottom is frozen): far cheaper than encoding them in the small random training
+    batches, where padding to the longest text wastes most of the work."""
+    if getattr(bundle.model, "frozen_prefix", 0):
+        predict(bundle, examples, batch_size)
 
 
 def accuracy(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> Score:

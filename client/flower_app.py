@@ -165,9 +165,14 @@ def train(message: Message, context: Context, data: DeviceData) -> Message:
     if checksum(loaded.bundle.scope) != loaded.checksum:  # the trainer must have put v back
         loaded.version, loaded.checksum = -1, ""
         raise DeviceStateError(f"local steps did not restore v{plan.version} exactly")
-    reply = ConfigRecord({"g": pack_binary(result.scalars), "n": int(result.num_examples),
-                          "loss": float(result.loss)})
-    return Message(RecordDict({RECORD: reply}), reply_to=message)
+    return Message(reply_content(result.scalars, result.num_examples, result.loss),
+                   reply_to=message)
+
+
+def reply_content(scalars: np.ndarray, num_examples: int, loss: float) -> RecordDict:
+    """A device's whole TRAIN reply: the scalar matrix, its example count and mean loss."""
+    return RecordDict({RECORD: ConfigRecord({"g": pack_binary(scalars), "n": int(num_examples),
+                                             "loss": float(loss)})})
 
 
 def evaluate(message: Message, context: Context, data: DeviceData) -> Message:

@@ -46,7 +46,7 @@ def default_model_path() -> str:
 
 
 #: SST-2 hyperparameters (docs/accuracy.md).
-SST2_HYPER = Hyper(lr=0.3, eps=1e-3, steps=4, perturbations=4, batch_size=16)
+SST2_HYPER = Hyper(lr=2.0, eps=1e-3, steps=1, perturbations=64, batch_size=16)
 
 
 def sst2_recipe(model_path: str | None = None) -> Recipe:
@@ -59,3 +59,17 @@ def sst2_recipe(model_path: str | None = None) -> Recipe:
 
 def default_sst2_spec(model_path: str | None = None) -> TaskSpec:
     return sst2_recipe(model_path).spec
+
+
+#: Built-in preference task hyperparameters (docs/accuracy.md): the demo of `seedfed simulate`.
+PREFERENCE_HYPER = Hyper(lr=1.0, eps=1e-3, steps=4, perturbations=4, batch_size=16)
+
+
+def preference_recipe(model_path: str | None = None) -> Recipe:
+    """The generated personal-preference task (`seedfed.client.preference`), 10 devices."""
+    from .preference import PREFERENCE_LABEL_TEXTS
+
+    spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
+                    num_labels=2, label_texts=PREFERENCE_LABEL_TEXTS, scope=HEAD_SCOPE,
+                    scope_options=dict(HEAD_OPTIONS), hyper=PREFERENCE_HYPER, max_seq_len=32)
+    return Recipe(spec=spec, rounds=30, per_round=5, devices=10)

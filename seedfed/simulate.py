@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.task import Hyper, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,6 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
     """The task a simulation trains: the measured recipe (client/recipes.py) for the data,
     with the command line's overrides. `--scope head` is the recipe's head-only scope."""
     base = _recipe_spec(config.data, config.model)
-    given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
-             "steps": config.steps, "perturbations": config.perturbations}
-    hyper = replace(base.hyper, **{k: v for k, v in given.items() if v is not None})
     scope, options = config.scope, {}
     if scope == "head":
         from seedfed.client.recipes import HEAD_OPTIONS, HEAD_SCOPE
@@ -117,6 +114,14 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
         scope, options = HEAD_SCOPE, dict(HEAD_OPTIONS)
     elif scope == base.scope:
         options = dict(base.scope_options)
+    hyper = base.hyper
+    if (scope, options) != (base.scope, dict(base.scope_options)):
+        # the recipe's lr/eps were tuned for its scope (a head-sized lr makes LoRA diverge):
+        # other scopes start from the conservative task defaults unless told otherwise
+        hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps)
+    given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
+             "steps": config.steps, "perturbations": config.perturbations}
+    hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
     return replace(base, label_texts=label_texts, num_labels=len(label_texts), scope=scope,
                    scope_options=options, hyper=hyper)
 
@@ -150,6 +155,13 @@ def _data_splits(data: str) -> Any:
     from seedfed.client.device_data import dataset_splits
 
     return dataset_splits(data)
+
+
+def _write_tsv(path: Path, examples: Any) -> None:
+    lines = ["label\tsentence"]
+    lines += [f"{int(y)}\t{' '.join(t.split())}" for t, y in zip(examples.texts, examples.labels,
+                                                                strict=True)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _label_texts(data: str, num_labels: int) -> tuple[str, ...]:
@@ -201,6 +213,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
                                           devices_per_round=config.devices_per_round)
         status = coordinator.task_status(task_id)
         (out / "task.json").write_text(json.dumps(spec.to_dict(), indent=2))
+        _write_tsv(out / "test.tsv", splits.test)  # `seedfed evaluate --run DIR --data` this
         per_device = spec.hyper.steps * spec.hyper.perturbations
         k = config.devices_per_round or config.devices
         report = Report(config={k_: str(v) if isinstance(v, Path) else v
@@ -369,6 +382,8 @@ def run_with_progress(config: SimulationConfig) -> Report:
     console.print(f"final version v{report.final_version}, checksum "
                   f"{report.final_checksum[:16]}..., {report.wall_seconds:.0f} s; run directory "
                   f"{config.out}")
+    console.print(f"score it: seedfed evaluate --run {config.out} --data "
+                  f"{config.out / 'test.tsv'}")
     return report
 
 

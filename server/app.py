@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import errors as E
 from . import service
+from .api.ingest import UploadFastPath
 from .api.routes import devices, log, ops, rounds, tasks
 from .runtime import Runtime
 from .settings import Settings
@@ -142,7 +143,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        rt = runtime or await run_in_threadpool(Runtime, settings)
+        rt = runtime if runtime is not None else await run_in_threadpool(Runtime, settings)
         await run_in_threadpool(service.recover, rt)
         writer = service.UploadWriter(rt)
         writer.start()
@@ -167,7 +168,9 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     for module in (ops, tasks, devices, rounds, log):
         app.include_router(module.router)
     app.state.dashboard = mount_dashboard(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.upload_fast_path:
+        app.add_middleware(UploadFastPath)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # outermost: sees every body
     return app
 
 

@@ -16,5 +16,6 @@ def serve(settings: Settings, *, log_level: str = "info") -> None:
         print(f"admin token (generated): {settings.token}", file=sys.stderr)  # shown once
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=log_level, access_log=False,
+                timeout_keep_alive=int(settings.keep_alive_s),
                 ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
                 ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None)

@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     ingest_batch: int = Field(default=256, ge=1)
     #: Master models kept in memory (least recently used beyond this are dropped).
     max_loaded_models: int = Field(default=4, ge=1)
+    #: Answer uploads at the ASGI level (same code, less per-request overhead than FastAPI).
+    upload_fast_path: bool = True
+    #: Seconds uvicorn keeps an idle keep-alive connection (devices poll, then upload).
+    keep_alive_s: float = Field(default=30.0, gt=0)
     run_migrations: bool = True
     echo_sql: bool = False
 

@@ -87,9 +87,10 @@ class MeanPoolClassifier(nn.Module):
     `frozen_prefix` = k > 0 (set by `build_model` only when no trainable tensor sits below
     encoder layer k) turns on a per-example feature cache: the states entering layer k (or,
     when k is the number of layers, the pooled embedding) are computed once per sentence and
-    reused by every later forward without autograd. The 2P probes of a ZO step, and every later
-    step over the same private examples, then pay only for the trainable top: a device fine-
-    tuning its head re-encodes nothing. Right-padded batches (BERT tokenizers) are assumed.
+    reused by every later forward (autograd, if on, starts at layer k). The 2P probes of a ZO
+    step, and every later step over the same private examples, then pay only for the trainable
+    top: a device fine-tuning its head re-encodes nothing. Whoever trains tensors below layer k
+    must set `frozen_prefix = 0` (and `clear_cache()`) first. Right-padded batches assumed.
     """
 
     def __init__(self, encoder: nn.Module, num_labels: int, normalize: bool) -> None:
@@ -116,7 +117,7 @@ class MeanPoolClassifier(nn.Module):
         """Sentence embeddings (pooled, normalized if the checkpoint normalizes)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if self.frozen_prefix > 0 and not torch.is_grad_enabled():
+        if self.frozen_prefix > 0:
             pooled = self._cached_pool(input_ids, attention_mask, token_type_ids)
         else:
             kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -239,8 +240,12 @@ def frozen_prefix_depth(model: nn.Module, scope: Scope) -> int:
 
 def load_base(spec: TaskSpec) -> tuple[nn.Module, Any]:
     """Load the frozen base model and tokenizer from a local Hugging Face directory."""
-    from transformers import (AutoModel, AutoModelForCausalLM,
-                              AutoModelForSequenceClassification, AutoTokenizer)
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     path = Path(spec.model_path)
     if not (path / "config.json").is_file():

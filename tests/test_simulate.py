@@ -38,7 +38,6 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--lr", "1e-3", "--eps", "1e-2", "--out", str(out)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert "seedfed simulate" in result.output  # the summary table was printed
-    (out / "data.tsv").write_bytes(data.read_bytes())
     return out
 
 
@@ -90,7 +89,7 @@ def test_final_state_matches_the_coordinator_and_every_device(run_dir: Path) -> 
 def test_run_directory_is_scored_by_seedfed_evaluate(run_dir: Path) -> None:
     spec = TaskSpec.from_dict(json.loads((run_dir / "task.json").read_text()))
 
-    score = evaluate(run_dir / "data.tsv", run=run_dir, limit=50)
+    score = evaluate(run_dir / "test.tsv", run=run_dir, limit=50)
 
     assert spec.scope == "lora"
     assert score.examples == 50 and 0 <= score.accuracy <= 1

@@ -20,12 +20,14 @@ from ..settings import Settings
 _bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
 
 
-def get_runtime(request: Request) -> Runtime:
+# Async (not def) so FastAPI resolves them inline instead of hopping to its thread pool: they
+# sit on the upload hot path.
+async def get_runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
 
 
-def get_writer(request: Request) -> UploadWriter:
+async def get_writer(request: Request) -> UploadWriter:
     writer: UploadWriter = request.app.state.writer
     return writer
 
@@ -34,7 +36,7 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 WriterDep = Annotated[UploadWriter, Depends(get_writer)]
 
 
-def get_settings(rt: RuntimeDep) -> Settings:
+async def get_settings(rt: RuntimeDep) -> Settings:
     return rt.settings
 
 

@@ -169,7 +169,7 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
                 with rt.transaction() as s:
                     moved = s.execute(update(TaskRow).where(
                         TaskRow.id == task_id, TaskRow.current_version == base).values(
-                        current_version=base + 1)).rowcount
+                        current_version=base + 1)).rowcount  # type: ignore[attr-defined]
                     if moved != 1:
                         raise ConflictError(f"task {task_id!r} moved past v{base} during the "
                                             f"close of round {number}")

@@ -11,6 +11,7 @@ from .mask import SELECTIONS, MaskConfig, choose_mask, mask_size, random_mask, t
 from .quantize import (
                    GAMMA_FLOOR,
                    absmean_gamma,
+    exact_abs_sum,
                    invalid_code_count,
                    pack_ternary,
                    packed_size,
@@ -34,7 +35,7 @@ from .snapshot import (
 __all__ = [
     "CODE_MAP", "FORMAT", "GAMMA_FLOOR", "SELECTIONS", "WEIGHTS_FILE", "BitLinear",
     "MaskConfig", "TernaryChecksumError", "TernaryFormatError", "TernaryScope",
-    "absmean_gamma", "bitlinear_modules", "build_ternary_scope", "choose_mask",
+    "absmean_gamma", "exact_abs_sum", "bitlinear_modules", "build_ternary_scope", "choose_mask",
     "convert_to_bitlinear", "from_hf_bitlinear", "invalid_code_count", "layer_tensors",
     "load_ternary_model", "mask_size", "pack_ternary", "packed_size", "publish_ternary",
     "quantize_activations", "random_mask", "read_tensors", "save_ternary_model",

@@ -52,10 +52,10 @@ def exact_abs_sum(w: torch.Tensor) -> Fraction:
     total = 0
     for start in range(0, a.size, 1 << 28):
         bits = a[start:start + (1 << 28)].view(np.uint32)
-        exp = (bits >> np.uint32(23)).astype(np.int64)
-        man = (bits & np.uint32(0x7FFFFF)).astype(np.int64)
-        man = np.where(exp > 0, man | (1 << 23), man)  # subnormals: exponent field 0 acts as 1
-        buckets = np.bincount(np.maximum(exp, 1), weights=man.astype(np.float64), minlength=256)
+        exp = bits >> np.uint32(23)
+        man = (bits & np.uint32(0x7FFFFF)) | ((exp != 0).astype(np.uint32) << np.uint32(23))
+        np.maximum(exp, np.uint32(1), out=exp)  # subnormals: exponent field 0 scales as 1
+        buckets = np.bincount(exp, weights=man.astype(np.float64), minlength=256)
         total += sum(int(b) << (k - 1) for k, b in enumerate(buckets) if b)
     return Fraction(total, 1 << 149)
 

@@ -7,9 +7,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from seedfed.client.data import (DataFormatError, Examples, dirichlet_partition, eval_batches,
-                                 load_labelled, split, tokenize, train_batches)
+from seedfed.client.data import (
+    DataFormatError,
+    Examples,
+    dirichlet_partition,
+    eval_batches,
+    load_labelled,
+    split,
+    tokenize,
+    train_batches,
+)
 from seedfed.client.preference import PREFERENCE_LABEL_TEXTS, preference_examples
 
 

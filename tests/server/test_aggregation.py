@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from seedfed.server.aggregation import combine, draw_seeds, round_rng, upload_digest
 from seedfed.shared.aggregate import AggregationConfig
 from seedfed.shared.replay import update_coefficients

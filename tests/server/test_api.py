@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from safetensors.torch import load as st_load
-
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
 from seedfed.shared.models import build_model

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
-
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
 from seedfed.server.runtime import Runtime
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan, Upload, pack_binary
+from sqlalchemy import func, select
 
 from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN, bearer, enroll, g_for, new_task

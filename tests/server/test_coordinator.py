@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from seedfed.server import privacy, service
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import InvalidUploadError

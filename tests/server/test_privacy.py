@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-
 from seedfed.server.privacy import epsilon, gaussian_rdp
 
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-
 from seedfed.server.settings import Settings, load_settings
 
 

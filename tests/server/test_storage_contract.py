@@ -13,17 +13,21 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load as st_load
-from sqlalchemy import func, select
-
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.db import make_engine
-from seedfed.server.errors import (ConflictError, DuplicateUploadError, EmptyRoundError,
-                                   RoundClosedError, StaleVersionError)
+from seedfed.server.errors import (
+    ConflictError,
+    DuplicateUploadError,
+    EmptyRoundError,
+    RoundClosedError,
+    StaleVersionError,
+)
 from seedfed.server.orm import Base, RoundRow, RoundState, UploadRow, VersionRow
 from seedfed.shared.models import build_model
 from seedfed.shared.replay import checksum, replay
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan, Upload
+from sqlalchemy import func, select
 
 from .conftest import make_settings
 
@@ -243,3 +247,21 @@ def test_sqlite_engine_uses_wal(tmp_path: Path) -> None:
         mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
     engine.dispose()
     assert mode == "wal"
+
+
+def test_migrations_downgrade_and_upgrade_again(database_url: str) -> None:
+    from seedfed.server.db import downgrade, upgrade
+    from sqlalchemy import inspect
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        downgrade(engine, "base")
+        empty = set(inspect(engine).get_table_names()) - {"alembic_version"}
+        upgrade(engine)
+        full = set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+    assert empty == set()
+    assert full >= {"tasks", "devices", "rounds", "uploads", "versions"}

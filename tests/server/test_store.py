@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from seedfed.server.errors import InvalidTaskError, StoreError
 from seedfed.server.formats import publisher, register_format
 from seedfed.server.store import ModelStore

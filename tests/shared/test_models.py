@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from seedfed.client.data import tokenize
-from seedfed.shared.models import (MeanPoolClassifier, build_model, frozen_prefix_depth,
-                                   sentence_pooling)
+from seedfed.shared.models import (
+    MeanPoolClassifier,
+    build_model,
+    frozen_prefix_depth,
+    sentence_pooling,
+)
 from seedfed.shared.replay import apply_seeds, checksum
 from seedfed.shared.task import TaskSpec
 
@@ -156,11 +159,17 @@ def test_label_alternatives_average_into_one_prototype() -> None:
     assert torch.nn.functional.cosine_similarity(w1, w2).min() > 0.5
 
 
-def test_gradients_bypass_the_cache(head_bundle) -> None:  # noqa: ANN001
+def test_gradients_reach_the_head_through_cached_features(head_bundle) -> None:  # noqa: ANN001
     model = head_bundle.model
-    model.clear_cache()
-    batch = tokenize(head_bundle.tokenizer, TEXTS[:1], None, 64)
-
-    model(**batch)
-
-    assert len(model._cache) == 0
+    batch = tokenize(head_bundle.tokenizer, TEXTS[:2], None, 64)
+    with torch.no_grad():
+        model(**batch)  # fills the cache
+    weight = model.classifier.weight
+    weight.requires_grad_(True)
+    try:
+        loss = model(**batch).logits.sum()
+        loss.backward()
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+    finally:
+        weight.requires_grad_(False)
+        weight.grad = None

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, BackgroundTasks, Header, Request, status
+from fastapi import APIRouter, BackgroundTasks, Request, status
 from fastapi.concurrency import run_in_threadpool
 from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
 
 from ... import service
-from ...errors import MalformedRequestError, NotFoundError
+from ...errors import NotFoundError
 from ...schemas import UploadReceipt
 from ..deps import AdminDep, DeviceCredential, ReaderDep, RuntimeDep, WriterDep
+from ..ingest import ingest
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/rounds", tags=["rounds"])
 
 _UPLOAD_DOC: dict[str, Any] = {
+    "parameters": [{"name": name, "in": "header", "required": False,
+                    "schema": {"type": "string"},
+                    "description": "binary form only: " + what}
+                   for name, what in (("X-Seedfed-Version", "model version (int)"),
+                                      ("X-Seedfed-Num-Examples", "example count (int)"),
+                                      ("X-Seedfed-Loss", "mean loss (float)"))],
     "requestBody": {
         "required": True,
         "content": {
@@ -62,47 +68,16 @@ async def close(task_id: str, round_number: int, rt: RuntimeDep, _: AdminDep) ->
 async def upload(
     task_id: str, round_number: int, request: Request, device: DeviceCredential,
     rt: RuntimeDep, writer: WriterDep, background: BackgroundTasks,
-    x_seedfed_version: Annotated[int | None, Header()] = None,
-    x_seedfed_num_examples: Annotated[int | None, Header()] = None,
-    x_seedfed_loss: Annotated[float | None, Header()] = None,
 ) -> UploadReceipt:
     """Upload a device's scalars for the round: JSON `Upload`, or the binary form.
 
     A byte-identical retry returns the original receipt (200); a different second upload
     from the device in the same round is a 409.
     """
-    body = await request.body()
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype == "application/octet-stream":
-        missing = [h for h, v in (("X-Seedfed-Version", x_seedfed_version),
-                                  ("X-Seedfed-Num-Examples", x_seedfed_num_examples),
-                                  ("X-Seedfed-Loss", x_seedfed_loss)) if v is None]
-        if missing:
-            raise MalformedRequestError(f"binary upload needs the headers {missing}")
-        assert x_seedfed_version is not None and x_seedfed_num_examples is not None
-        assert x_seedfed_loss is not None
-        up = service.parse_binary_upload(body, task_id=task_id, round_number=round_number,
-                                         version=x_seedfed_version,
-                                         num_examples=x_seedfed_num_examples,
-                                         loss=x_seedfed_loss)
-    elif ctype in ("application/json", ""):
-        up = service.parse_json_upload(body)
-    else:
-        raise MalformedRequestError(f"content type {ctype!r} is not accepted; send "
-                                    "application/json or application/octet-stream")
-    try:
-        pending = service.check_upload(rt, task_id=task_id, round_number=round_number,
-                                       device_id=device[0], token_hash=device[1], upload=up,
-                                       wire_bytes=len(body))
-    except Exception:
-        rt.metrics.uploads.labels("rejected").inc()
-        raise
-    receipt = await asyncio.wrap_future(writer.submit(pending))
-    assert isinstance(receipt, UploadReceipt)
-    hit = rt.plan_cache.get(task_id)
-    if hit is not None and hit[0] == pending.round_id and \
-            rt.upload_counts.get(pending.round_id, 0) >= hit[1].quorum:
-        background.add_task(service.close_if_due, rt, task_id=task_id,
-                            round_id=pending.round_id)
+    receipt, due = await ingest(rt, writer, task_id=task_id, round_number=round_number,
+                                device=device, headers=request.headers,
+                                body=await request.body())
+    if due is not None:
+        background.add_task(service.close_if_due, rt, task_id=task_id, round_id=due)
     return receipt
 

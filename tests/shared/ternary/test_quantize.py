@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 from seedfed.shared.ternary import (
     GAMMA_FLOOR,
     absmean_gamma,
+    exact_abs_sum,
     invalid_code_count,
     pack_ternary,
     packed_size,
@@ -90,3 +93,15 @@ def test_gamma_is_the_mean_absolute_value_with_a_floor() -> None:
 def test_threshold_distance_is_zero_exactly_at_half_gamma() -> None:
     d = threshold_distance(torch.tensor([0.5, -0.5, 0.0, 1.0, 0.75]), torch.tensor(1.0))
     assert d.tolist() == [0.0, 0.0, 0.5, 0.5, 0.25]
+
+
+def test_gamma_is_exact_and_independent_of_element_order() -> None:
+    # Arrange: normal and subnormal magnitudes
+    w = torch.randn(60, 50, generator=torch.Generator().manual_seed(5)) * 0.02
+    w[0, :2] = torch.tensor([1e-42, -3e-39])
+    shuffled = w.reshape(-1)[torch.randperm(w.numel(), generator=torch.Generator().manual_seed(6))]
+    exact = sum(Fraction(x) for x in w.abs().reshape(-1).tolist())
+    # Act / Assert
+    assert exact_abs_sum(w) == exact
+    assert absmean_gamma(w).item() == np.float32(float(exact / w.numel()))
+    assert torch.equal(absmean_gamma(shuffled), absmean_gamma(w))

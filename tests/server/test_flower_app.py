@@ -1,0 +1,130 @@
+"""The deployment ServerApp's two ways to reach the coordinator, driven through
+`Strategy.start` with an in-process grid that hands each message to the real ClientApp.
+
+tests/deploy/test_superlink.py runs the same code on real SuperLink/SuperNode processes; here
+the grid is a stand-in so the REST adapter and the run-config handling are checked quickly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from seedfed.client.device_data import DeviceData
+from seedfed.client.flower_app import make_client_app
+from seedfed.server.app import create_app
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.flower_app import RestCoordinator, run_fleet
+from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
+from seedfed.server.settings import Settings
+from seedfed.shared.task import Hyper, TaskSpec
+
+from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
+
+ADMIN = "server-app-test-admin-token"
+NODES = (5, 6)
+
+
+class LocalGrid:
+    """A Grid whose nodes run the ClientApp in this process (what a SuperLink does remotely)."""
+
+    def __init__(self, data: Path) -> None:
+        self.app = make_client_app(DeviceData(source=str(data), alpha=1.0))
+        self.contexts = {n: Context(run_id=9, node_id=n, state=RecordDict(), run_config={},
+                                    node_config={"partition-id": i, "num-partitions": 2})
+                         for i, n in enumerate(NODES)}
+
+    def get_node_ids(self) -> list[int]:
+        return list(NODES)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None,
+                         ) -> list[Message]:
+        replies = []
+        for m in messages:
+            try:
+                replies.append(self.app(m, self.contexts[m.metadata.dst_node_id]))
+            except Exception as e:  # noqa: BLE001 - as Flower's runtime reports it
+                replies.append(Message(Error(code=0, reason=str(e)), reply_to=m))
+        return replies
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serverapp")
+    return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
+
+
+@pytest.fixture
+def task(assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
+    model, data = assets
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 9, 0
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
+                        store_dir=tmp_path / "store", admin_token=ADMIN)
+    coord = Coordinator.open(settings)
+    spec = TaskSpec(model_path=str(model), label_texts=("bad", "good"), max_seq_len=16,
+                    hyper=Hyper(lr=1e-3, eps=1e-2, steps=2, perturbations=2, batch_size=8))
+    task_id, join = coord.create_task_with_token(spec, quorum=2)
+    yield {"coord": coord, "task": task_id, "join": join, "grid": LocalGrid(data),
+           "settings": settings, "tmp": tmp_path}
+    coord.close()
+
+
+def test_strategy_over_rest_trains_and_every_device_matches(task: dict) -> None:
+    coord = task["coord"]
+    with TestClient(create_app(runtime=coord.rt)) as client:
+        rest = RestCoordinator("http://testserver", ADMIN, task["join"], client=client)
+        strategy = SeedfedStrategy(rest, task["task"], FleetConfig(min_devices=2, quorum=2))
+
+        strategy.start(task["grid"], ArrayRecord(), num_rounds=2, timeout=60)
+
+    status = coord.task_status(task["task"])
+    assert status.version == 2
+    assert [r.version for r in strategy.history] == [1, 2]
+    assert set(strategy.history[-1].device_checksums.values()) == {status.checksum}
+    assert [m.participants for m in coord.round_metrics(task["task"])] == [2, 2]
+
+
+def test_rest_adapter_reports_the_coordinators_refusal(task: dict) -> None:
+    with TestClient(create_app(runtime=task["coord"].rt)) as client:
+        rest = RestCoordinator("http://testserver", "wrong-admin-token", task["join"],
+                               client=client)
+
+        with pytest.raises(Exception, match="401|403"):
+            rest.open_round(task["task"])
+
+
+def test_run_fleet_in_process_writes_its_report(task: dict) -> None:
+    task["coord"].close()  # the ServerApp owns the database for its run
+    report = task["tmp"] / "report.json"
+    cfg = {"db-url": task["settings"].database_url, "store-dir": str(task["tmp"] / "store"),
+           "task-id": task["task"], "num-rounds": 2, "min-devices": 2, "sync": True,
+           "report": str(report)}
+
+    records = run_fleet(task["grid"], cfg)
+
+    assert json.loads(report.read_text()) == json.loads(json.dumps(records, default=str))
+    assert [r["version"] for r in records] == [1, 2]
+    again = Coordinator.open(task["settings"])
+    try:
+        assert again.task_status(task["task"]).version == 2
+    finally:
+        task["coord"] = again  # closed by the fixture
+
+
+def test_run_fleet_needs_a_way_to_the_coordinator(task: dict) -> None:
+    with pytest.raises(Exception, match="coordinator-url"):
+        run_fleet(task["grid"], {"task-id": task["task"]})
