@@ -154,8 +154,7 @@ def bench(backend: str, args: argparse.Namespace, model: Path) -> dict[str, Any]
             setup_s = time.perf_counter() - t0
             port = free_port()
             env = {**os.environ, "SEEDFED_INGEST_BATCH": str(args.batch)}
-            log_path = Path(args.json).with_suffix(f".{backend}.server.log")
-            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path = Path(tmp) / "server.log"
             log = open(log_path, "wb")  # noqa: SIM115 (closed after the server exits)
             server = subprocess.Popen(
                 [sys.executable, "-c", "from seedfed.cli import main; main()", "coordinator",
@@ -172,7 +171,8 @@ def bench(backend: str, args: argparse.Namespace, model: Path) -> dict[str, Any]
                     except httpx.TransportError:
                         pass
                     if time.time() > deadline or server.poll() is not None:
-                        raise RuntimeError(f"coordinator did not start, see {log_path}")
+                        raise RuntimeError("coordinator did not start:\n"
+                                           + log_path.read_text()[-3000:])
                     time.sleep(0.2)
                 work = list(zip(tokens, bodies, strict=True))
                 ctx = mp.get_context("spawn")

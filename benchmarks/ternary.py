@@ -365,20 +365,27 @@ def worker(spec: MemSpec) -> dict[str, Any]:
 
 
 def run_worker(spec: MemSpec, timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(asdict(spec))]
+    return _subprocess("--worker", asdict(spec), timeout)
+
+
+def _subprocess(flag: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), flag, json.dumps(payload)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"worker {spec.action} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{flag} {payload} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def run_memory(model_name: str, fractions: tuple[float, ...], timeout: float,
-               ) -> dict[str, Any]:
+               on_point: Any = None) -> dict[str, Any]:
+    """Every step in its own subprocess. Linux keeps ru_maxrss across fork + exec, so a parent
+    that had built the snapshot itself would hand its peak to every worker as a floor."""
     out: dict[str, Any] = {"model": model_name, "points": []}
     for fraction in fractions:
         with tempfile.TemporaryDirectory(prefix="seedfed-ternary-") as tmp:
             t0 = time.perf_counter()
-            sizes = prepare_snapshot(model_name, fraction, Path(tmp))
+            sizes = _subprocess("--prepare", {"model_name": model_name, "fraction": fraction,
+                                              "directory": tmp}, timeout)
             prep_s = time.perf_counter() - t0
             infer = run_worker(MemSpec(model_name, "infer", tmp), timeout)
             zo = run_worker(MemSpec(model_name, "zo", tmp), timeout)
@@ -391,6 +398,8 @@ def run_memory(model_name: str, fractions: tuple[float, ...], timeout: float,
             "step_peak_ratio": (zo["step_peak_mib"] / infer["step_peak_mib"]
                                 if zo["step_peak_mib"] and infer["step_peak_mib"] else None),
         })
+        if on_point is not None:
+            on_point(out)
     return out
 
 
@@ -427,6 +436,7 @@ def print_tables(report: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="about a minute")
     parser.add_argument("--part", choices=("all", "curves", "memory"), default="all")
     parser.add_argument("--fractions", default="0.01,0.02",
@@ -437,12 +447,27 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(MemSpec(**json.loads(args.worker)))))
         return
+    if args.prepare:
+        kw = json.loads(args.prepare)
+        print(json.dumps(prepare_snapshot(kw["model_name"], kw["fraction"],
+                                          Path(kw["directory"]))))
+        return
     out = args.out or RESULTS / ("ternary_quick.json" if args.quick else "ternary.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if args.part != "all" and out.exists():  # one part at a time: keep the other's results
         report = json.loads(out.read_text())
     report.update({"quick": args.quick, "torch": torch.__version__})
+    if args.part in ("all", "memory"):
+        fractions = tuple(float(f) for f in args.fractions.split(","))
+
+        def save_point(memory: dict[str, Any]) -> None:  # a long run keeps what it measured
+            report["memory"] = memory
+            out.write_text(json.dumps(report, indent=2))
+
+        report["memory"] = run_memory("llama-tiny" if args.quick else "llama-1b",
+                                      fractions[:1] if args.quick else fractions, args.timeout,
+                                      save_point)
     if args.part in ("all", "curves"):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a tiny model: threads only add overhead
@@ -453,10 +478,6 @@ def main() -> None:
         plot_curves(report["curves"], out.with_suffix(".png"))
         report["curves"]["plot"] = str(out.with_suffix(".png"))
         torch.set_num_threads(threads)
-    if args.part in ("all", "memory"):
-        fractions = tuple(float(f) for f in args.fractions.split(","))
-        report["memory"] = run_memory("llama-tiny" if args.quick else "llama-1b",
-                                      fractions[:1] if args.quick else fractions, args.timeout)
     out.write_text(json.dumps(report, indent=2))
     print_tables(report)
     print(f"\nwrote {out}")

@@ -220,8 +220,8 @@ def train_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: 
 
 def eval_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: int,
                  ) -> Iterator[dict[str, torch.Tensor]]:
-    """Every example once, in order; texts sorted by length inside would change nothing
-    but speed, so batches keep file order for reproducible per-example output."""
+    """Every example once, in file order (per-example output lines up with the file;
+    `client.evaluate.predict` sorts by length instead, which is faster)."""
     for start in range(0, len(examples), batch_size):
         sl = slice(start, start + batch_size)
         yield tokenize(tokenizer, examples.texts[sl], examples.labels[sl], max_len)

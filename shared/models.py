@@ -93,9 +93,9 @@ class MeanPoolClassifier(nn.Module):
     must set `frozen_prefix = 0` (and `clear_cache()`) first. Right-padded batches assumed.
     """
 
-    def __init__(self, encoder: nn.Module, num_labels: int, normalize: bool) -> None:
+    def __init__(self, encoder: Any, num_labels: int, normalize: bool) -> None:
         super().__init__()
-        self.encoder = encoder
+        self.encoder: Any = encoder  # a BERT-style encoder (embeddings, encoder.layer)
         self.config = encoder.config
         self.normalize = normalize
         self.classifier = nn.Linear(int(encoder.config.hidden_size), num_labels)
@@ -200,7 +200,7 @@ class _Constant(nn.Module):
 
 
 @contextmanager
-def _skip_prefix(encoder: nn.Module, k: int, hidden: torch.Tensor) -> Iterator[None]:
+def _skip_prefix(encoder: Any, k: int, hidden: torch.Tensor) -> Iterator[None]:
     """Run only layers k.. of a BERT-style encoder, starting from cached `hidden` states."""
     embeddings, layers = encoder.embeddings, encoder.encoder.layer
     encoder.embeddings = _Constant(hidden)
@@ -222,7 +222,7 @@ def _layer_index(name: str) -> int | None:
 
 def frozen_prefix_depth(model: nn.Module, scope: Scope) -> int:
     """How many bottom encoder layers (and the embeddings) no scoped tensor touches."""
-    inner = getattr(model, "base_model", model)
+    inner: Any = getattr(model, "base_model", model)
     inner = getattr(inner, "model", inner)
     if not isinstance(inner, MeanPoolClassifier):
         return 0

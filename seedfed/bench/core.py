@@ -64,7 +64,7 @@ class CoreBenchConfig:
         return "quick" if self.quick else "full"
 
 
-def _worker(config: CoreBenchConfig, kind: str, timeout: float = 1800) -> dict[str, Any]:
+def _worker(config: CoreBenchConfig, kind: str, timeout: float = 7200) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
     args = [kind, "--shape", config.shape, "--repeats", config.repeats, "--numel",
             config.replay_numel, "--seeds", config.replay_seeds, "--threads", config.threads or 0]

@@ -33,6 +33,9 @@ from .quantize import (
     unpack_ternary,
 )
 
+#: Weights unpacked at a time in a forward (one row block); 2^21 float32 weights = 8 MiB.
+FORWARD_CHUNK_ELEMENTS = 1 << 21
+
 
 class BitLinear(nn.Module):
     weight: nn.Parameter | None
@@ -126,14 +129,24 @@ class BitLinear(nn.Module):
         return self.ternary_values(torch.int8)
 
     def ternary_values(self, dtype: torch.dtype) -> torch.Tensor:
-        shape = (self.out_features, self.in_features)
+        return self.ternary_rows(0, self.out_features, dtype)
+
+    def ternary_rows(self, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [r0, r1) of the ternary matrix, as `dtype`: only their codes are unpacked."""
+        n_in = self.in_features
         if self.weight is not None:
-            return ternarize(self.weight, self.gamma).to(dtype).view(shape)
+            return ternarize(self.weight[r0:r1], self.gamma).to(dtype)
         assert self.packed is not None, "BitLinear holds neither latents nor packed codes"
-        w = unpack_ternary(self.packed, shape[0] * shape[1], dtype)
+        start, stop = r0 * n_in, r1 * n_in
+        b0, b1 = start // 4, -(-stop // 4)
+        w = unpack_ternary(self.packed[b0:b1], 4 * (b1 - b0), dtype)[start - 4 * b0:stop - 4 * b0]
         if self.latent is not None and self.mask is not None:
-            w[self.mask] = ternarize(self.latent, self.gamma).to(dtype)
-        return w.view(shape)
+            bounds = torch.tensor([start, stop], dtype=self.mask.dtype)
+            i0, i1 = (int(i) for i in torch.searchsorted(self.mask, bounds))
+            if i1 > i0:
+                w[(self.mask[i0:i1] - start).long()] = ternarize(
+                    self.latent[i0:i1], self.gamma).to(dtype)
+        return w.view(r1 - r0, n_in)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -146,9 +159,16 @@ class BitLinear(nn.Module):
             assert self.weight is not None
             s = self.weight / self.gamma
             w = s + (torch.clamp(torch.round(s), -1, 1) - s).detach()
+            y = F.linear(x, w.to(x.dtype))
         else:
-            w = self.ternary_values(x.dtype)
-        y = F.linear(x, w.to(x.dtype)) * self.gamma.to(x.dtype)
+            # Row blocks of at most FORWARD_CHUNK_ELEMENTS weights: the unpacked float matrix
+            # never exists whole, so a forward's transient memory stays a few MiB per layer.
+            # Both forms use the same blocks, so they compute the same bits.
+            rows = max(1, FORWARD_CHUNK_ELEMENTS // self.in_features)
+            parts = [F.linear(x, self.ternary_rows(r, min(r + rows, self.out_features), x.dtype))
+                     for r in range(0, self.out_features, rows)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        y = y * self.gamma.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -33,6 +33,8 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 #: A header larger than this is not one we wrote (guards a corrupt length field).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+#: Read size when verifying a tensor the caller does not keep.
+SKIP_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -106,23 +108,40 @@ def read_tensors(path: str | Path, *, expected_format: str,
         plan = [(name, *_entry(path, name, info, size - base)) for name, info in header.items()]
         h = hashlib.sha256()
         out: dict[str, torch.Tensor] = {}
+        scratch = bytearray(SKIP_CHUNK_BYTES)  # one reused buffer to verify skipped tensors
         for name, dtype, shape, start, nbytes in sorted(plan):
-            buf = torch.empty(nbytes, dtype=torch.uint8)
             f.seek(base + start)
+            h.update(_prefix(name, dtype, shape))
+            if keep is not None and not keep(name):
+                _hash_skipped(f, h, scratch, nbytes, path, name)
+                continue
+            buf = torch.empty(nbytes, dtype=torch.uint8)
             view = memoryview(buf.numpy())  # type: ignore[arg-type]
             got = f.readinto(view) if nbytes else 0
             if got != nbytes:
                 raise TernaryFormatError(f"{path}: {name} is truncated ({got} of {nbytes} bytes)")
-            h.update(_prefix(name, dtype, shape))
             h.update(view)
-            if keep is None or keep(name):
-                out[name] = buf.view(dtype).reshape(shape)
-            del buf
+            out[name] = buf.view(dtype).reshape(shape)
     digest = h.hexdigest()
     if digest != recorded:
         raise TernaryChecksumError(f"{path}: tensors hash to {digest[:16]}..., metadata says "
                                    f"{recorded[:16]}...; the file is corrupt, fetch it again")
     return out, meta
+
+
+def _hash_skipped(f: Any, h: Any, scratch: bytearray, nbytes: int, path: Path,
+                  name: str) -> None:
+    # Skipped tensors never get their own allocation: freed buffers of many sizes would stay
+    # in the allocator's heap and count as resident, inflating an inference-only load.
+    view = memoryview(scratch)
+    left = nbytes
+    while left:
+        got = f.readinto(view[: min(left, len(scratch))])
+        if not got:
+            raise TernaryFormatError(f"{path}: {name} is truncated ({nbytes - left} of {nbytes} "
+                                     "bytes)")
+        h.update(view[:got])
+        left -= got
 
 
 def _entry(path: Path, name: str, info: Any, data_size: int,

@@ -207,3 +207,25 @@ def test_fp16_task_publishes_an_fp16_snapshot(client: TestClient, tiny_bert: Pat
     assert r.headers["x-seedfed-format"] == "fp16"
     assert {v.dtype for v in fp16.values()} == {__import__("torch").float16}
     assert all(np.allclose(fp16[k].float(), fp32[k], atol=1e-2, rtol=1e-2) for k in fp32)
+
+
+def test_the_fastapi_route_answers_like_the_fast_path(sqlite_url: str, tmp_path: Path,
+                                                      spec: TaskSpec) -> None:
+    answers = []
+    for fast in (True, False):
+        settings = make_settings(f"sqlite:///{tmp_path / f'{fast}.db'}", tmp_path / f"s{fast}",
+                                 upload_fast_path=fast)
+        with TestClient(create_app(settings)) as client:
+            task_id, join = new_task(client, spec)
+            _, tok = enroll(client, task_id, join)
+            plan = RoundPlan.model_validate(client.post(f"/v1/tasks/{task_id}/rounds",
+                                                        headers=ADMIN).json())
+            url = f"/v1/tasks/{task_id}/rounds/1/uploads"
+            ok = client.post(url, content=pack_binary(g_for(plan, 0)), headers={
+                **bearer(tok), "Content-Type": "application/octet-stream",
+                "X-Seedfed-Version": "0", "X-Seedfed-Num-Examples": "3", "X-Seedfed-Loss": "1"})
+            bad = client.post(url, content=b"{", headers=bearer(tok))
+            answers.append((ok.status_code, sorted(ok.json()), bad.status_code, bad.json()))
+
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 200 and answers[0][2] == 400

@@ -11,6 +11,7 @@ from seedfed.shared.ternary import (
     convert_to_bitlinear,
     quantize_activations,
     ternarize,
+    threshold_mask,
 )
 from torch import nn
 
@@ -142,3 +143,25 @@ def test_transformers_packed_bitlinear_is_imported_with_gamma_from_weight_scale(
     assert float(ours.gamma) == 0.25
     with torch.no_grad():
         assert torch.allclose(ours(x), hf(x), rtol=1e-5, atol=1e-6)
+
+
+def test_row_blocked_forward_matches_across_forms_with_moved_masked_latents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Arrange: blocks of 4 rows (24 inputs, 100 weights per block), 20% of latents masked
+    monkeypatch.setattr("seedfed.shared.ternary.bitlinear.FORWARD_CHUNK_ELEMENTS", 100)
+    coord = BitLinear.from_linear(_linear(3))
+    assert coord.weight is not None
+    coord.set_mask(threshold_mask(coord.weight, coord.gamma, 0.2))
+    dev = BitLinear.from_linear(_linear(3))
+    dev.set_mask(coord.mask)
+    dev.to_packed()
+    assert dev.latent is not None and coord.mask is not None
+    # Act: the same move of the masked latents on both sides
+    with torch.no_grad():
+        dev.latent.add_(0.03)
+        coord.weight.view(-1)[coord.mask.long()] += 0.03
+        x = torch.randn(3, 24, generator=torch.Generator().manual_seed(8))
+        y_dev, y_coord = dev(x), coord(x)
+    # Assert
+    assert torch.equal(dev.codes(), coord.codes())
+    assert torch.equal(y_dev, y_coord)
