@@ -62,7 +62,7 @@ SEED_LIMIT = 1 << 53  # wire seeds stay exact in JSON doubles (shared.wire.Seed)
 class FedConfig:
     devices: int = 20
     alpha: float = 0.5
-    train_pool: int = 16000  # training examples spread over the devices
+    train_pool: int = 8000  # training examples spread over the devices
     test_size: int = 1000
     rounds: int = 300
     per_round: int = 5  # devices sampled per round
@@ -307,6 +307,7 @@ def plot(curves: list[Curve], refs: dict[str, float], path: Path) -> None:
     for i, (name, acc) in enumerate(refs.items()):
         ax.axhline(acc, ls="--", lw=1, color=f"C{len(curves) + i}", label=f"{name} {acc:.3f}")
     ax.set_xscale("symlog", linthresh=1000)  # FO needs orders of magnitude fewer forwards
+    ax.set_xlim(left=0)
     ax.set_xlabel("example-forwards (sum of batch sizes over model calls, log)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title("SST-2, MiniLM-L6, Dirichlet non-IID devices")

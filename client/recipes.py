@@ -46,7 +46,7 @@ def default_model_path() -> str:
 
 
 #: SST-2 hyperparameters (docs/accuracy.md).
-SST2_HYPER = Hyper(lr=2.0, eps=1e-3, steps=1, perturbations=64, batch_size=16)
+SST2_HYPER = Hyper(lr=1.5, eps=1e-3, steps=1, perturbations=64, batch_size=16)
 
 
 def sst2_recipe(model_path: str | None = None) -> Recipe:
@@ -54,7 +54,7 @@ def sst2_recipe(model_path: str | None = None) -> Recipe:
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=SST2_LABEL_TEXTS, scope=HEAD_SCOPE,
                     scope_options=dict(HEAD_OPTIONS), hyper=SST2_HYPER, max_seq_len=64)
-    return Recipe(spec=spec, rounds=300, per_round=5, devices=20)
+    return Recipe(spec=spec, rounds=600, per_round=5, devices=20)
 
 
 def default_sst2_spec(model_path: str | None = None) -> TaskSpec:

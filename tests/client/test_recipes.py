@@ -1,0 +1,46 @@
+"""The measured defaults are valid task definitions with the settings docs/accuracy.md reports."""
+
+from __future__ import annotations
+
+import pytest
+from seedfed.client.preference import PREFERENCE_LABEL_TEXTS
+from seedfed.client.recipes import (
+    SST2_LABEL_TEXTS,
+    Recipe,
+    default_sst2_spec,
+    preference_recipe,
+    sst2_recipe,
+)
+from seedfed.shared.task import TaskSpec
+
+
+def test_sst2_recipe_trains_the_prototype_head_on_twenty_devices() -> None:
+    recipe = sst2_recipe("/models/minilm")
+
+    assert recipe.spec.model_path == "/models/minilm"
+    assert recipe.spec.scope == "named"
+    assert recipe.spec.scope_options == {"patterns": ("classifier",)}
+    assert recipe.spec.label_texts == SST2_LABEL_TEXTS
+    assert recipe.devices >= 20 and recipe.alpha == 0.5
+    assert default_sst2_spec("/models/minilm") == recipe.spec
+
+
+def test_preference_recipe_uses_the_preference_labels() -> None:
+    recipe = preference_recipe("/models/minilm")
+
+    assert recipe.spec.label_texts == PREFERENCE_LABEL_TEXTS
+    assert recipe.per_round <= recipe.devices
+
+
+def test_recipe_spec_round_trips_through_json_dict() -> None:
+    spec = sst2_recipe("/m").spec
+
+    assert TaskSpec.from_dict(spec.to_dict()).hyper == spec.hyper
+
+
+@pytest.mark.parametrize("kw", [{"rounds": 0}, {"per_round": 30}, {"alpha": 0.0}])
+def test_recipe_rejects_impossible_fleet_settings(kw: dict) -> None:
+    base = {"spec": sst2_recipe("/m").spec, "rounds": 10, "per_round": 5, "devices": 20}
+
+    with pytest.raises(ValueError):
+        Recipe(**{**base, **kw})
