@@ -7,6 +7,7 @@ later scopes (`sparse`, `scales`, `ternary`) register a builder with `register_s
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,12 @@ class Scope:
 
 ScopeBuilder = Callable[..., Scope]
 _REGISTRY: dict[str, ScopeBuilder] = {}
+#: Scopes that live in their own packages register on import; importing them lazily keeps the
+#: quantization code out of processes that never use it.
+_PLUGINS = {
+    "scales": "seedfed.shared.quant.scales_scope",
+    "ternary": "seedfed.shared.ternary.scope",
+}
 
 
 def register_scope(kind: str) -> Callable[[ScopeBuilder], ScopeBuilder]:
@@ -145,11 +152,13 @@ def register_scope(kind: str) -> Callable[[ScopeBuilder], ScopeBuilder]:
 
 
 def scope_kinds() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_PLUGINS))
 
 
 def build_scope(kind: str, model: nn.Module, **options: Any) -> Scope:
     """Build the scope a task names; unknown names raise UnknownScopeError listing the known."""
+    if kind not in _REGISTRY and kind in _PLUGINS:
+        importlib.import_module(_PLUGINS[kind])
     try:
         builder = _REGISTRY[kind]
     except KeyError as e:

@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -67,3 +71,19 @@ def test_masked_tensor_reads_and_writes_only_its_elements():
 def test_scope_refuses_non_float32(llama):
     with pytest.raises(ScopeError, match="float32"):
         Scope(llama, [ScopedTensor("w", torch.zeros(2, dtype=torch.float16))])
+
+
+
+def test_plugin_scopes_register_on_first_use():
+    # A fresh interpreter: nothing has imported shared/ternary yet, build_scope must do it.
+    code = (
+        "from seedfed.shared import scopes\n"
+        "from tests.shared.conftest import tiny_llama\n"
+        "assert 'ternary' not in scopes._REGISTRY\n"
+        "s = scopes.build_scope('ternary', tiny_llama())\n"
+        "print(s.kind, s.numel > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[2], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ternary", "True"]
