@@ -56,26 +56,49 @@ def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class _ScopeStash:
-    """An exact copy of the scope at round start, in memory or spilled to a temporary file."""
+    """An exact copy of the scope at round start, in memory or spilled to temporary files.
+
+    A large scope spills tensor by tensor into files of at most `limit` bytes, so the stash never
+    holds more than one file's worth of the scope in memory (a full copy would double a device's
+    footprint for the full scope).
+    """
 
     def __init__(self, scope: Scope, limit: int = MEMORY_STASH_LIMIT) -> None:
         self.scope = scope
-        state = scope.read()
         self._memory: dict[str, torch.Tensor] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._files: list[Path] = []
         if 4 * scope.numel <= limit:
-            self._memory = state
-        else:
-            self._dir = tempfile.TemporaryDirectory(prefix="seedfed-stash-")
-            save_file(state, str(Path(self._dir.name) / "stash.safetensors"))
-            del state
+            self._memory = scope.read()
+            return
+        self._dir = tempfile.TemporaryDirectory(prefix="seedfed-stash-")
+        part: dict[str, torch.Tensor] = {}
+        size = 0
+        for t in scope:
+            part[t.name] = t.values()
+            size += 4 * t.numel
+            if size >= limit:
+                self._spill(part)
+                part, size = {}, 0
+        if part:
+            self._spill(part)
+
+    def _spill(self, part: dict[str, torch.Tensor]) -> None:
+        assert self._dir is not None
+        path = Path(self._dir.name) / f"stash-{len(self._files)}.safetensors"
+        save_file(part, str(path))
+        self._files.append(path)
 
     def restore(self) -> None:
         if self._memory is not None:
             self.scope.write(self._memory)
             return
         assert self._dir is not None
-        self.scope.write(load_file(str(Path(self._dir.name) / "stash.safetensors")))
+        by_name = {t.name: t for t in self.scope}
+        with torch.no_grad():
+            for path in self._files:
+                for name, values in load_file(str(path)).items():
+                    by_name[name].assign(values)
         self._dir.cleanup()
 
 

@@ -388,7 +388,10 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
     generator = torch.Generator().manual_seed(INIT_SEED)
     if spec.model_kind == "seq_cls":
         head = classifier_module(model)
-        if initialize and spec.label_texts and tokenizer is not None:
+        if spec.label_texts and tokenizer is not None:
+            # Both sides compute the prototype head: when the head trains, snapshot 0
+            # overwrites it exactly; when it stays frozen (outside the scope), devices still
+            # hold the coordinator's head (bit-identical on the same kind of CPU).
             init_prototype_head(model, tokenizer, spec.label_texts)
         else:
             # Seeded even without `initialize`: a device's head is overwritten by snapshot 0,
@@ -401,6 +404,8 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
         model = apply_lora(model, spec.lora, spec.model_kind)
         if initialize:
             _init_adapters(model, generator)
+    if spec.format in ("int8", "int4"):
+        model = _quantize(model, spec)
     for p in model.parameters():
         p.requires_grad_(False)  # ZO never needs autograd; keeps forwards lean
     scope = build_scope(spec.scope, model, **spec.scope_options)
@@ -408,3 +413,12 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
     if isinstance(inner, MeanPoolClassifier):
         inner.frozen_prefix = frozen_prefix_depth(model, scope)
     return ModelBundle(model=model, tokenizer=tokenizer, scope=scope, spec=spec)
+
+
+def _quantize(model: nn.Module, spec: TaskSpec) -> nn.Module:
+    """Group-wise int8/int4 Linear layers (heads stay float): the QZO `scales` scope's model."""
+    from .quant.model import QuantConfig, quantize_model
+
+    bits = 8 if spec.format == "int8" else 4
+    group_size = int(spec.scope_options.get("group_size", 64))
+    return quantize_model(model, QuantConfig(bits=bits, group_size=group_size))

@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 
 import numpy as np
+from seedfed.shared.quant.scales_scope import plan_clip
 from seedfed.shared.replay import LogEntry
 from seedfed.shared.scopes import Scope
 from seedfed.shared.wire import LogEntryWire, RoundPlan
@@ -66,7 +67,8 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
         now = utcnow()
         plan = RoundPlan(task_id=task_id, round=number, version=task.current_version,
                          seeds=draw_seeds(task.secret, number, h.steps, h.perturbations),
-                         lr=h.lr, eps=h.eps, batch_size=h.batch_size, clip=h.clip,
+                         lr=h.lr, eps=h.eps, batch_size=h.batch_size,
+                         clip=plan_clip(spec.scope, h.clip),  # QZO's DDC: C=100 for scales
                          one_sided=h.one_sided, scope=spec.scope,
                          deadline=now + timedelta(seconds=task.round_timeout_s),
                          quorum=task.quorum)
