@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 
@@ -110,7 +111,7 @@ def simulate(
 
     from seedfed.simulate import SimulationConfig, run_with_progress
 
-    given = {"lr": lr, "eps": eps, "batch_size": batch_size, "eval_size": eval_size,
+    given: dict[str, Any] = {"lr": lr, "eps": eps, "batch_size": batch_size, "eval_size": eval_size,
              "steps": steps, "perturbations": perturbations,
              "cpus": cpus, "model": model, "db": db, "devices_per_round": devices_per_round}
     run_dir = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
