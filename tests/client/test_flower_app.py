@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client.device_data import DeviceData
@@ -22,10 +21,10 @@ from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStra
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
-from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
-
 NODES = (11, 22)
 STEPS, PERTURBATIONS = 3, 2
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class FakeGrid:
@@ -38,24 +37,11 @@ class FakeGrid:
         return list(self.nodes)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices on a shared 2-core machine: extra intra-op threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fleet")
-    return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
 
 
 @pytest.fixture
-def fleet(assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
-    model, data = assets
+def fleet(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
+    model, data = fleet_assets
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 0
     coord = Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
                                       store_dir=tmp_path / "store"))

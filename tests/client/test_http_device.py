@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import DeviceConfig, DeviceHttpError, HttpDevice
@@ -15,26 +14,14 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
-from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("http")
-    return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
 
 
 @pytest.fixture
-def world(assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
-    model, data = assets
+def world(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
+    model, data = fleet_assets
     coord = Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
                                       store_dir=tmp_path / "store"))
     spec = TaskSpec(model_path=str(model), label_texts=("bad", "good"),

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
@@ -25,10 +24,10 @@ from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
-from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
-
 ADMIN = "server-app-test-admin-token"
 NODES = (5, 6)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class LocalGrid:
@@ -54,23 +53,11 @@ class LocalGrid:
         return replies
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("serverapp")
-    return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
 
 
 @pytest.fixture
-def task(assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
-    model, data = assets
+def task(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
+    model, data = fleet_assets
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 9, 0
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
                         store_dir=tmp_path / "store", admin_token=ADMIN)
