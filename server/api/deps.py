@@ -16,6 +16,7 @@ from ..errors import AuthenticationError, PermissionDeniedError
 from ..runtime import Runtime
 from ..service.uploads import UploadWriter
 from ..settings import Settings
+from .ingest import device_from_token
 
 _bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
 
@@ -89,16 +90,8 @@ async def device_credential(task_id: str, rt: RuntimeDep,
                             creds: Credentials) -> tuple[str | None, str]:
     """(device id if the token is cached, token hash) for the upload path: an uncached token
     is authenticated by the upload writer together with the rest of its batch."""
-    if creds is None:
-        raise AuthenticationError("missing Authorization: Bearer <device token>")
-    h = service.devices.hash_token(creds.credentials)
-    hit = rt.token_cache.get(h)
-    if hit is None:
-        return None, h
-    if hit[1] != task_id:
-        raise PermissionDeniedError(f"device {hit[0]} is enrolled in another task, "
-                                    f"not {task_id!r}")
-    return hit[0], h
+    # One rule for both doors: the FastAPI route and the ASGI fast path.
+    return device_from_token(rt, task_id, None if creds is None else f"Bearer {creds.credentials}")
 
 
 DeviceCredential = Annotated[tuple[str | None, str], Depends(device_credential)]
