@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 from collections.abc import AsyncIterator
@@ -148,10 +149,17 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         writer = service.UploadWriter(rt)
         writer.start()
         app.state.runtime, app.state.writer = rt, writer
+        # The imports (torch, transformers) and the loaded model leave millions of long-lived
+        # objects; a full collection scanning them stalls every request for 100-200 ms
+        # (measured with benchmarks/ingest.py). Freezing moves them out of the collector's
+        # sight: later collections scan only what requests allocate.
+        gc.collect()
+        gc.freeze()
         tick = asyncio.create_task(_ticker(app, rt))
         try:
             yield
         finally:
+            gc.unfreeze()  # an embedding process (tests) gets its collector back
             tick.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await tick
