@@ -9,8 +9,9 @@ of the two is cheaper is the coordinator's call (it knows the log); `replay_cost
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +25,10 @@ from seedfed.shared.errors import (
 )
 from seedfed.shared.replay import LogEntry, checksum, replay
 from seedfed.shared.scopes import Scope
+from torch import nn
+
+if TYPE_CHECKING:  # the ternary package loads only for ternary tasks
+    from seedfed.shared.ternary import MaskConfig, TernaryScope
 
 #: Bytes a log entry costs on the wire per seed (JSON integer + base64 float32, roughly).
 ENTRY_BYTES_PER_SEED = 24
@@ -117,3 +122,45 @@ def catch_up(scope: Scope, *, task_id: str, version: int, entries: Sequence[LogE
     final = needed[-1].checksum
     got = checksum(scope) if final is None else final
     return SyncResult(new_version, got, "replay", len(needed))
+
+
+def read_snapshot(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a published snapshot file (safetensors bytes)."""
+    try:
+        return load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise WireFormatError(f"snapshot is not valid safetensors: {e}") from e
+
+
+def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: str,
+                     version: int | None, target: int, target_checksum: str,
+                     config: MaskConfig, entries: Sequence[LogEntry],
+                     snapshot: Callable[[], Mapping[str, torch.Tensor]],
+                     ) -> tuple[TernaryScope, SyncResult]:
+    """Bring a ternary device (packed model) to `target`; returns the scope to train with next.
+
+    Replay works only inside a mask epoch: an epoch start changes the mask (and, with
+    `refresh_gamma`, every code), and the device holds no latents outside its old mask. So the
+    device replays `entries` when it holds a state of `target`'s epoch, and otherwise (no
+    state yet, an epoch start in (version, target], an entry announcing another epoch, or a
+    failed replay) loads the published snapshot of `target` that `snapshot()` fetches,
+    verified against `target_checksum`. The returned scope replaces `scope` (a snapshot
+    rebuilds the layers, so a trainer bound to the old scope must be rebuilt too).
+    """
+    from seedfed.shared.ternary import crosses_epoch, load_published_ternary
+
+    if scope is not None and version is not None and version <= target and \
+            scope.epoch == config.epoch_of(version) and \
+            not crosses_epoch(config, version, target):
+        announced = {e.meta.get("mask_epoch", scope.epoch) for e in entries
+                     if version <= e.base_version < target}
+        if announced <= {scope.epoch}:
+            try:
+                return scope, catch_up(scope, task_id=task_id, version=version,
+                                       entries=entries, target=target)
+            except (ChecksumMismatchError, LogEntryMismatchError):
+                pass  # diverged or a gap in the log: the snapshot below settles it
+    fresh = load_published_ternary(model, snapshot(), config=config,
+                                   epoch=config.epoch_of(target),
+                                   expected_checksum=target_checksum)
+    return fresh, SyncResult(target, target_checksum, "snapshot")

@@ -126,6 +126,10 @@ class CatchupPlan(_Model):
     replay_seconds: float
     download_bytes: int
     download_seconds: float
+    #: Mask epoch of the target version (ternary tasks; None for scopes without epochs).
+    mask_epoch: int | None = None
+    #: Why the action is forced rather than the cheaper one (e.g. a mask epoch start).
+    reason: str | None = None
 
 
 class Health(_Model):

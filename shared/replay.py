@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,11 +69,25 @@ def checksum(scope: Scope) -> str:
     """SHA-256 of the trainable state: per tensor in canonical order, the UTF-8 name, a NUL,
     the covered element count as uint64 LE, and the covered float32 values LE."""
     h = hashlib.sha256()
-    for t in scope:
-        values = t.values().numpy().astype("<f4", copy=False)
-        h.update(t.name.encode("utf-8") + b"\0" + struct.pack("<Q", values.size))
-        h.update(values.tobytes())
+    for t in scope:  # one tensor's copy at a time: never a second copy of the whole scope
+        _hash_tensor(h, t.name, t.values())
     return h.hexdigest()
+
+
+def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
+    """`checksum` of a scope whose `read()` would return `state` (canonical name -> covered
+    float32 values; scopes iterate in sorted name order). Lets a device check a snapshot
+    before any of it enters its model."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        _hash_tensor(h, name, state[name])
+    return h.hexdigest()
+
+
+def _hash_tensor(h: Any, name: str, values: torch.Tensor) -> None:
+    flat = values.detach().reshape(-1).numpy().astype("<f4", copy=False)
+    h.update(name.encode("utf-8") + b"\0" + struct.pack("<Q", flat.size))
+    h.update(flat.tobytes())
 
 
 def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float]) -> None:

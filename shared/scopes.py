@@ -122,6 +122,29 @@ class Scope:
     def after_update(self) -> None:
         """Hook run after every replayed update (e.g. clamp quantization scales). No-op here."""
 
+    # -- coordinator hooks; the defaults suit scopes whose covered set never changes ----------
+
+    def master_state(self, values: Mapping[str, torch.Tensor] | None = None,
+                     ) -> dict[str, torch.Tensor]:
+        """The tensors of the coordinator's master file: what a restart needs to rebuild this
+        scope exactly. By default the covered values (`read()`; pass `values` when they were
+        just read, to avoid a second copy). Scopes whose covered set moves (ternary mask
+        epochs) override it with whatever the set is derived from. Tensors may alias live
+        storage: write them out before the next update."""
+        return dict(values) if values is not None else self.read()
+
+    def load_master_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Inverse of `master_state` (the checksum is the caller's to verify)."""
+        self.write(state)
+
+    def enter_version(self, version: int) -> bool:
+        """Coordinator: the entry producing `version` (>= 1) was just applied, its files are
+        not yet written. A scope whose covered set changes with the version (the ternary
+        scope's mask epochs) changes it here and returns True: the checksum moves, and a
+        device must load the version's snapshot instead of replaying into it. No-op here."""
+        del version
+        return False
+
     def owners(self) -> dict[int, list[tuple[nn.Module, str]]]:
         """For each scoped tensor (by id), the modules holding it directly, and the attribute."""
         wanted = {id(t.tensor) for t in self._tensors}
@@ -141,6 +164,31 @@ _PLUGINS = {
     "scales": "seedfed.shared.quant.scales_scope",
     "ternary": "seedfed.shared.ternary.scope",
 }
+
+
+#: kind -> (scope options, version) -> the version's mask epoch, for scopes whose covered set
+#: changes on a schedule (see `scope_epoch`).
+EpochSchedule = Callable[[Mapping[str, Any], int], int]
+_EPOCHS: dict[str, EpochSchedule] = {}
+
+
+def register_epochs(kind: str) -> Callable[[EpochSchedule], EpochSchedule]:
+    def wrap(schedule: EpochSchedule) -> EpochSchedule:
+        _EPOCHS[kind] = schedule
+        return schedule
+
+    return wrap
+
+
+def scope_epoch(kind: str, options: Mapping[str, Any], version: int) -> int | None:
+    """The epoch of the covered set at `version` for scope `kind` built with `options`, or None
+    for scopes whose set never changes. The coordinator's service layer asks this without
+    loading a model (round plans, log entries, catch-up plans): two versions in different
+    epochs cannot be bridged by replay."""
+    if kind not in _EPOCHS and kind not in _REGISTRY and kind in _PLUGINS:
+        importlib.import_module(_PLUGINS[kind])
+    schedule = _EPOCHS.get(kind)
+    return None if schedule is None else schedule(options, version)
 
 
 def register_scope(kind: str) -> Callable[[ScopeBuilder], ScopeBuilder]:

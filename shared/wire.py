@@ -27,6 +27,9 @@ MAGIC = b"SFS1"
 _HEADER = struct.Struct("<4sIII")
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+#: The mask epoch of a ternary task (None for scopes without epochs). Left out of the JSON when
+#: None, so messages of other tasks stay byte-identical to what readers without it expect.
+MaskEpoch = Annotated[int | None, Field(default=None, ge=0, exclude_if=lambda v: v is None)]
 
 
 def encode_scalars(m: np.ndarray) -> str:
@@ -101,6 +104,9 @@ class RoundPlan(_Schema):
     scope: str = "lora"
     deadline: datetime | None = None
     quorum: int = Field(default=1, ge=1)
+    #: The mask epoch the device must hold to train this round (a ternary task): a device in
+    #: another epoch loads the snapshot of `version` first.
+    mask_epoch: MaskEpoch = None
 
     @field_validator("seeds")
     @classmethod
@@ -159,19 +165,28 @@ class LogEntryWire(_Schema):
     seeds: list[int]
     coefs: str  # base64 float32 LE
     checksum: str
+    #: The mask epoch of version base_version + 1 (a ternary task). An entry whose epoch
+    #: differs from its base version's started a new epoch: replay cannot cross it.
+    mask_epoch: MaskEpoch = None
 
     def to_entry(self) -> LogEntry:
         coefs = decode_scalars(self.coefs, (len(self.seeds),))
+        meta: dict[str, object] = {} if self.mask_epoch is None else {
+            "mask_epoch": self.mask_epoch}
         return LogEntry(self.task_id, self.base_version, tuple(self.seeds),
-                        tuple(float(c) for c in coefs), self.checksum)
+                        tuple(float(c) for c in coefs), self.checksum, meta)
 
     @classmethod
-    def from_entry(cls, e: LogEntry) -> LogEntryWire:
+    def from_entry(cls, e: LogEntry, mask_epoch: int | None = None) -> LogEntryWire:
+        """The wire form of `e`; `mask_epoch` defaults to e.meta["mask_epoch"], if any."""
         if e.checksum is None:
             raise WireFormatError(f"entry v{e.version} has no checksum to publish")
+        meta_epoch = e.meta.get("mask_epoch")
+        if mask_epoch is None and isinstance(meta_epoch, int):
+            mask_epoch = meta_epoch
         return cls(task_id=e.task_id, base_version=e.base_version, seeds=list(e.seeds),
                    coefs=encode_scalars(np.asarray(e.coefs, dtype=np.float32)),
-                   checksum=e.checksum)
+                   checksum=e.checksum, mask_epoch=mask_epoch)
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 from seedfed.shared.wire import LogEntryWire
 from sqlalchemy import func, select
@@ -13,7 +14,7 @@ from ..orm import DeviceRow, RoundRow, UploadRow, VersionRow
 from ..runtime import Runtime
 from ..schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
 from .rounds import wire_of
-from .tasks import devices_seen, dp_epsilon, get_task, get_version
+from .tasks import devices_seen, dp_epsilon, get_task, get_version, mask_epoch_of, spec_of
 
 #: Defaults of the catch-up cost model, for a modest device (a Raspberry Pi 4 on Wi-Fi).
 DEFAULT_BANDWIDTH = 2e6  # bytes/s
@@ -33,7 +34,9 @@ def log_since(session: Session, *, task_id: str, since: int,
          .order_by(VersionRow.version))
     if limit is not None:
         q = q.limit(limit)
-    return [wire_of(row, task_id) for row in session.scalars(q)]
+    spec = spec_of(task)
+    return [wire_of(row, task_id, mask_epoch_of(spec, row.version))
+            for row in session.scalars(q)]
 
 
 def snapshot_info(session: Session, *, task_id: str, version: int,
@@ -64,7 +67,11 @@ def snapshot_stream(rt: Runtime, path: str) -> Iterator[bytes]:
 def catchup_plan(session: Session, *, task_id: str, from_version: int,
                  bandwidth: float = DEFAULT_BANDWIDTH,
                  regen_rate: float = DEFAULT_REGEN_RATE) -> CatchupPlan:
-    """Replay or download, whichever the device's rates make cheaper (estimated seconds)."""
+    """Replay or download, whichever the device's rates make cheaper (estimated seconds).
+
+    Download, whatever the rates, when (from, to] holds a mask epoch start (a ternary task):
+    the new masks select latents a device's packed model does not hold, so replay cannot
+    reach the target's state."""
     if bandwidth <= 0 or regen_rate <= 0:
         raise InvalidUploadError(f"bandwidth ({bandwidth}) and regen_rate ({regen_rate}) must "
                                  "be positive")
@@ -84,10 +91,20 @@ def catchup_plan(session: Session, *, task_id: str, from_version: int,
     replay_bytes = int(n_entries) * ENTRY_OVERHEAD + n_seeds * BYTES_PER_SEED
     replay_s = replay_bytes / bandwidth + n_seeds * task.scope_numel / regen_rate
     download_s = latest.snapshot_bytes / bandwidth
+    spec = spec_of(task)
+    epochs = (mask_epoch_of(spec, from_version), mask_epoch_of(spec, to))
+    reason = None
+    action: Literal["replay", "download"]
+    if epochs[0] != epochs[1]:
+        action = "download"
+        reason = (f"v{from_version} (mask epoch {epochs[0]}) and v{to} (mask epoch "
+                  f"{epochs[1]}) lie in different mask epochs; replay cannot cross one")
+    else:
+        action = "replay" if replay_s <= download_s else "download"
     return CatchupPlan(task_id=task_id, from_version=from_version, to_version=to,
-                       action="replay" if replay_s <= download_s else "download",
-                       replay_seeds=n_seeds, replay_bytes=replay_bytes, replay_seconds=replay_s,
-                       download_bytes=latest.snapshot_bytes, download_seconds=download_s)
+                       action=action, replay_seeds=n_seeds, replay_bytes=replay_bytes,
+                       replay_seconds=replay_s, download_bytes=latest.snapshot_bytes,
+                       download_seconds=download_s, mask_epoch=epochs[1], reason=reason)
 
 
 def round_metrics(session: Session, *, task_id: str) -> list[RoundMetrics]:
@@ -95,11 +112,13 @@ def round_metrics(session: Session, *, task_id: str) -> list[RoundMetrics]:
     versions = {v.version: v for v in session.scalars(
         select(VersionRow).where(VersionRow.task_id == task_id, VersionRow.version > 0))}
     fedavg_each = 2 * 4 * task.scope_numel
+    spec = spec_of(task)
     out = []
     for r in session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
                              .order_by(RoundRow.number)):
         v = versions.get(r.result_version) if r.result_version is not None else None
-        entry_bytes = len(wire_of(v, task_id).model_dump_json()) if v is not None else 0
+        entry_bytes = len(wire_of(v, task_id, mask_epoch_of(spec, v.version))
+                          .model_dump_json()) if v is not None else 0
         participants = r.participants
         upload_bytes = r.upload_bytes
         if r.result_version is None:  # still open: count what arrived so far

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import numpy as np
 from seedfed.shared.quant.scales_scope import plan_clip
-from seedfed.shared.replay import LogEntry
+from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.scopes import Scope
 from seedfed.shared.wire import LogEntryWire, RoundPlan
 from sqlalchemy import func, select, update
@@ -25,7 +25,7 @@ from ..aggregation import apply_entry, combine, draw_seeds
 from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
 from ..orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
 from ..runtime import Runtime
-from .tasks import get_task, load_master, spec_of, write_version_files
+from .tasks import get_task, load_master, mask_epoch_of, spec_of, write_version_files
 
 
 def entry_of(row: VersionRow, task_id: str) -> LogEntry:
@@ -34,8 +34,9 @@ def entry_of(row: VersionRow, task_id: str) -> LogEntry:
                     tuple(float(c) for c in coefs), row.checksum)
 
 
-def wire_of(row: VersionRow, task_id: str) -> LogEntryWire:
-    return LogEntryWire.from_entry(entry_of(row, task_id))
+def wire_of(row: VersionRow, task_id: str, mask_epoch: int | None = None) -> LogEntryWire:
+    """The log entry that produced version row `row`; `mask_epoch`: that version's epoch."""
+    return LogEntryWire.from_entry(entry_of(row, task_id), mask_epoch=mask_epoch)
 
 
 def _latest_round(session: Session, task_id: str) -> RoundRow | None:
@@ -71,7 +72,8 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
                          clip=plan_clip(spec.scope, h.clip),  # QZO's DDC: C=100 for scales
                          one_sided=h.one_sided, scope=spec.scope,
                          deadline=now + timedelta(seconds=task.round_timeout_s),
-                         quorum=task.quorum)
+                         quorum=task.quorum,
+                         mask_epoch=mask_epoch_of(spec, task.current_version))
         row = RoundRow(task_id=task_id, number=number, base_version=task.current_version,
                        state=RoundState.OPEN, plan_json=plan.model_dump_json(),
                        quorum=task.quorum, deadline=plan.deadline, opened_at=now,
@@ -141,7 +143,7 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
             if row.state == RoundState.CLOSED and row.result_version is not None:
                 done = s.get(VersionRow, (task_id, row.result_version))
                 assert done is not None
-                return wire_of(done, task_id)
+                return wire_of(done, task_id, mask_epoch_of(spec_of(task), done.version))
             spec = spec_of(task)
             plan = RoundPlan.model_validate_json(row.plan_json)
             uploads = list(s.scalars(select(UploadRow).where(UploadRow.round_id == round_id)
@@ -163,6 +165,11 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
             scope: Scope = master.bundle.scope
             try:
                 chk = apply_entry(scope, entry.seeds, entry.coefs, rt.faults.mid_aggregation)
+                if scope.enter_version(base + 1):
+                    # A new mask epoch (ternary): the version's state, and so its checksum,
+                    # is that of the new masks. Rebuilding from the log redoes this step at
+                    # the same version, on the same latents, with the same result.
+                    chk = checksum(scope)
                 fp32, snap = write_version_files(rt, task_id=task_id, version=base + 1,
                                                  spec=spec, master=master, chk=chk)
                 if rt.faults.after_files is not None:
@@ -201,7 +208,8 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
     rt.upload_counts.pop(round_id, None)
     rt.metrics.rounds_closed.inc()
     rt.metrics.aggregation_seconds.observe(time.perf_counter() - started)
-    return LogEntryWire.from_entry(LogEntry(task_id, base, entry.seeds, entry.coefs, chk))
+    return LogEntryWire.from_entry(LogEntry(task_id, base, entry.seeds, entry.coefs, chk),
+                                   mask_epoch=mask_epoch_of(spec, base + 1))
 
 
 def close_round(rt: Runtime, *, task_id: str, number: int | None = None,

@@ -7,8 +7,10 @@ import json
 import secrets
 from typing import Any
 
+from seedfed.shared.errors import SeedfedError
 from seedfed.shared.models import build_model
 from seedfed.shared.replay import checksum
+from seedfed.shared.scopes import scope_epoch
 from seedfed.shared.task import TaskSpec
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -46,15 +48,29 @@ def get_version(session: Session, *, task_id: str, version: int) -> VersionRow:
     return row
 
 
+def mask_epoch_of(spec: TaskSpec, version: int) -> int | None:
+    """The mask epoch of `version` of the task (None: its scope has no epochs)."""
+    return scope_epoch(spec.scope, spec.scope_options, version)
+
+
 def write_version_files(rt: Runtime, *, task_id: str, version: int, spec: TaskSpec,
                         master: Master, chk: str) -> tuple[StoredFile, StoredFile]:
-    """fp32 master and published snapshot of `version`; both on disk before any commit."""
-    state = master.bundle.scope.read()
+    """fp32 master and published snapshot of `version`; both on disk before any commit.
+
+    The master file holds the scope's `master_state` (what a restart needs: for most scopes the
+    covered values, for the ternary scope every latent plus gammas, masks and mask epoch); the
+    snapshot is the task's format published from the covered values."""
+    scope = master.bundle.scope
+    state = scope.read()
     meta = {"task_id": task_id, "version": str(version), "checksum": chk}
-    fp32 = rt.store.write_state(task_id, version, "master", state, {**meta, "format": "fp32"})
+    epoch = mask_epoch_of(spec, version)
+    if epoch is not None:
+        meta["mask_epoch"] = str(epoch)
+    fp32 = rt.store.write_state(task_id, version, "master", scope.master_state(state),
+                                {**meta, "format": "fp32"})
     if spec.format == "fp32":
         return fp32, fp32
-    published = publisher(spec.format)(state, master.bundle.scope)
+    published = publisher(spec.format)(state, scope)
     snap = rt.store.write_state(task_id, version, spec.format, published,
                                 {**meta, "format": spec.format})
     return fp32, snap
@@ -115,7 +131,11 @@ def load_master(rt: Runtime, *, task_id: str) -> Master:
     if master is not None and master.version == row.version:
         return master
     bundle = build_model(spec, initialize=False)
-    bundle.scope.write(rt.store.read_state(row.master_path, row.master_sha256))
+    try:
+        bundle.scope.load_master_state(rt.store.read_state(row.master_path, row.master_sha256))
+    except SeedfedError as e:  # a master file this model cannot take: the store is at fault
+        raise StoreError(f"task {task_id} v{row.version}: master file does not fit the task's "
+                         f"model: {e}") from e
     got = checksum(bundle.scope)
     if got != row.checksum:
         raise StoreError(f"task {task_id} v{row.version}: master file hashes to {got[:16]}..., "

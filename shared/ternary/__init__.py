@@ -5,9 +5,19 @@ Importing this package registers the `ternary` scope with `seedfed.shared.scopes
 
 from . import scope as _scope  # noqa: F401  (registers the "ternary" scope)
 from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear, from_hf_bitlinear
+from .device import load_published_ternary, published_state
 from .errors import TernaryChecksumError, TernaryFormatError
 from .io import read_tensors, tensors_checksum, write_tensors
-from .mask import SELECTIONS, MaskConfig, choose_mask, mask_size, random_mask, threshold_mask
+from .mask import (
+    SELECTIONS,
+    MaskConfig,
+    choose_mask,
+    crosses_epoch,
+    mask_config,
+    mask_size,
+    random_mask,
+    threshold_mask,
+)
 from .quantize import (
                    GAMMA_FLOOR,
                    absmean_gamma,
@@ -20,7 +30,7 @@ from .quantize import (
                    threshold_distance,
                    unpack_ternary,
 )
-from .scope import TernaryScope, build_ternary_scope, start_mask_epoch
+from .scope import EPOCH_KEY, TernaryScope, build_ternary_scope, start_mask_epoch, version_epoch
 from .snapshot import (
                    CODE_MAP,
                    FORMAT,
@@ -33,12 +43,13 @@ from .snapshot import (
 )
 
 __all__ = [
-    "CODE_MAP", "FORMAT", "GAMMA_FLOOR", "SELECTIONS", "WEIGHTS_FILE", "BitLinear",
+    "CODE_MAP", "EPOCH_KEY", "FORMAT", "GAMMA_FLOOR", "SELECTIONS", "WEIGHTS_FILE", "BitLinear",
     "MaskConfig", "TernaryChecksumError", "TernaryFormatError", "TernaryScope",
     "absmean_gamma", "exact_abs_sum", "bitlinear_modules", "build_ternary_scope", "choose_mask",
-    "convert_to_bitlinear", "from_hf_bitlinear", "invalid_code_count", "layer_tensors",
-    "load_ternary_model", "mask_size", "pack_ternary", "packed_size", "publish_ternary",
+    "convert_to_bitlinear", "crosses_epoch", "from_hf_bitlinear", "invalid_code_count",
+    "layer_tensors", "load_published_ternary", "load_ternary_model", "mask_config", "mask_size",
+    "pack_ternary", "packed_size", "publish_ternary", "published_state",
     "quantize_activations", "random_mask", "read_tensors", "save_ternary_model",
     "start_mask_epoch", "tensors_checksum", "ternarize", "ternary_snapshot",
-    "threshold_distance", "threshold_mask", "unpack_ternary", "write_tensors",
+    "threshold_distance", "threshold_mask", "unpack_ternary", "version_epoch", "write_tensors",
 ]

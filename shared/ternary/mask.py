@@ -15,8 +15,9 @@ flat indices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -55,13 +56,28 @@ class MaskConfig:
             raise ValueError(f"mask seed must be a uint64, got {self.seed}")
 
     def epoch_of(self, round_index: int) -> int:
-        """The mask epoch a round belongs to (rounds counted from 0)."""
+        """The mask epoch a round belongs to (rounds counted from 0). The coordinator counts
+        committed versions: version v is in epoch v // epoch_rounds, and the round that
+        commits a version with v % epoch_rounds == 0 (v > 0) starts a new epoch."""
         if round_index < 0:
             raise ValueError(f"round index must be >= 0, got {round_index}")
         return round_index // self.epoch_rounds
 
     def starts_epoch(self, round_index: int) -> bool:
         return round_index % self.epoch_rounds == 0
+
+
+def mask_config(options: Mapping[str, Any]) -> MaskConfig:
+    """The MaskConfig among a ternary task's scope options (which may also hold the scope
+    builder's own arguments, e.g. `act_bits`)."""
+    names = {f.name for f in fields(MaskConfig)}
+    return MaskConfig(**{k: v for k, v in options.items() if k in names})
+
+
+def crosses_epoch(config: MaskConfig, from_version: int, to_version: int) -> bool:
+    """Whether (from_version, to_version] holds a mask epoch start: replay cannot get there,
+    because the target's mask selects latents a packed device does not hold."""
+    return config.epoch_of(from_version) != config.epoch_of(to_version)
 
 
 def mask_size(numel: int, fraction: float) -> int:

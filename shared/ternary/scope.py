@@ -12,18 +12,28 @@ subset, and each element sees the same float32 additions). Masks are chosen at t
 mask epoch by `start_mask_epoch` (coordinator), which also refreshes gamma; within an epoch
 gamma and the mask are frozen, so the device's ternarize(latent, gamma) equals the
 coordinator's for every element.
+
+On the coordinator the scope also keeps its own schedule (`enter_version`: a new epoch at every
+version v with v % epoch_rounds == 0) and its restart state (`master_state`: the full latents,
+gammas, masks and epoch, since the masked values alone cannot rebuild a later epoch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..errors import ScopeError
-from ..scopes import Scope, ScopedTensor, register_scope
-from .bitlinear import bitlinear_modules, convert_to_bitlinear
-from .mask import MaskConfig, choose_mask
+from ..errors import MissingTensorError, ScopeError
+from ..scopes import Scope, ScopedTensor, register_epochs, register_scope
+from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
+from .mask import MaskConfig, choose_mask, mask_config
+
+#: Key of the mask epoch (int64 [1]) in a coordinator's master state. Module paths never
+#: start with an underscore pair, so it cannot collide with a layer's tensors.
+EPOCH_KEY = "__mask_epoch__"
 
 
 class TernaryScope(Scope):
@@ -35,6 +45,71 @@ class TernaryScope(Scope):
                  epoch: int) -> None:
         super().__init__(model, tensors)
         self.config = config
+        self.epoch = epoch
+
+    # -- coordinator: mask epochs and the master file -----------------------------------------
+
+    def enter_version(self, version: int) -> bool:
+        """Start mask epoch version // epoch_rounds when `version` begins one (see Scope)."""
+        if version <= 0 or not self.config.starts_epoch(version):
+            return False
+        self.start_epoch(self.config.epoch_of(version))
+        return True
+
+    def start_epoch(self, epoch: int) -> None:
+        """`start_mask_epoch` on this scope's model, then cover the new masks in place (the
+        coordinator's model bundle keeps holding this object)."""
+        start_mask_epoch(self.model, self.config, epoch)
+        self._rebind(epoch)
+
+    def master_state(self, values: Mapping[str, torch.Tensor] | None = None,
+                     ) -> dict[str, torch.Tensor]:
+        """Per BitLinear `<p>`: `<p>.weight` every fp32 latent (out x in), `<p>.gamma` [1],
+        `<p>.mask` (absent when every latent trains); and the epoch under EPOCH_KEY. The
+        tensors alias the live latents (no copy of a model-sized matrix)."""
+        del values  # the masked values are a subset of the latents written here
+        out: dict[str, torch.Tensor] = {}
+        for name, m in bitlinear_modules(self.model):
+            if m.weight is None:
+                raise ScopeError(f"{name} is packed: only the coordinator's latent form has a "
+                                 "master state")
+            out[f"{name}.weight"] = m.weight.detach()
+            out[f"{name}.gamma"] = m.gamma.reshape(1)
+            if m.mask is not None:
+                out[f"{name}.mask"] = m.mask
+        out[EPOCH_KEY] = torch.tensor([self.epoch], dtype=torch.int64)
+        return out
+
+    def load_master_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore what `master_state` wrote: every part is checked before any layer changes.
+
+        A state without EPOCH_KEY is a master file written before mask epochs existed (the
+        masked values of epoch 0 only); it loads as such."""
+        if EPOCH_KEY not in state:
+            self.write(state)
+            return
+        epoch_t = state[EPOCH_KEY]
+        if epoch_t.numel() != 1 or epoch_t.dtype != torch.int64 or int(epoch_t) < 0:
+            raise MissingTensorError(f"master state: {EPOCH_KEY} must be one int64 >= 0")
+        epoch = int(epoch_t)
+        layers = bitlinear_modules(self.model)
+        parts = {name: _master_parts(name, m, state) for name, m in layers}
+        known = {f"{name}.{p}" for name in parts for p in ("weight", "gamma", "mask")}
+        extra = sorted(set(state) - known - {EPOCH_KEY})
+        if extra:
+            raise MissingTensorError(f"master state holds tensors this model lacks: {extra[:5]}")
+        with torch.no_grad():
+            for name, m in layers:
+                weight, gamma, mask = parts[name]
+                assert m.weight is not None  # _master_parts checked the form
+                m.weight.data.copy_(weight)
+                m.gamma = gamma.reshape(()).clone()
+                m.mask = None if mask is None else mask.reshape(-1).to(torch.int32).clone()
+                m.mask_epoch = epoch
+        self._rebind(epoch)
+
+    def _rebind(self, epoch: int) -> None:
+        Scope.__init__(self, self.model, _scoped_tensors(self.model))
         self.epoch = epoch
 
     def device_bytes(self) -> dict[str, int]:
@@ -70,7 +145,31 @@ def start_mask_epoch(model: nn.Module, config: MaskConfig, epoch: int) -> Ternar
     return _scope(model, config, epoch)
 
 
-def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
+def _master_parts(name: str, m: BitLinear, state: Mapping[str, torch.Tensor],
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(latents, gamma, mask) of layer `name` in a master state, checked against the layer."""
+    if m.weight is None:
+        raise ScopeError(f"{name} is packed: a master state loads into the latent form")
+    weight, gamma = state.get(f"{name}.weight"), state.get(f"{name}.gamma")
+    mask = state.get(f"{name}.mask")
+    if weight is None or gamma is None:
+        raise MissingTensorError(f"master state lacks the latents or gamma of {name}")
+    numel = m.in_features * m.out_features
+    if weight.dtype != torch.float32 or weight.numel() != numel:
+        raise MissingTensorError(f"{name}: master latents are {weight.numel()} "
+                                 f"{weight.dtype}, the layer needs {numel} float32")
+    if gamma.dtype != torch.float32 or gamma.numel() != 1 or not bool(gamma > 0):
+        raise MissingTensorError(f"{name}: master gamma must be one positive float32")
+    if mask is not None:
+        idx = mask.reshape(-1).long()
+        if mask.dtype != torch.int32 or (idx.numel() and (
+                int(idx[0]) < 0 or int(idx[-1]) >= numel or not bool((idx[1:] > idx[:-1]).all()))):
+            raise MissingTensorError(f"{name}: master mask is not sorted unique int32 "
+                                     f"indices < {numel}")
+    return weight.reshape(m.out_features, m.in_features), gamma, mask
+
+
+def _scoped_tensors(model: nn.Module) -> list[ScopedTensor]:
     tensors = []
     for name, m in bitlinear_modules(model):
         canonical = f"{name}.weight"
@@ -81,7 +180,17 @@ def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
     if not tensors:
         raise ScopeError(f"scope 'ternary': {type(model).__name__} holds no latents "
                          "(an inference-only packed model); load a snapshot with latents")
-    return TernaryScope(model, tensors, config, epoch)
+    return tensors
+
+
+def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
+    return TernaryScope(model, _scoped_tensors(model), config, epoch)
+
+
+@register_epochs("ternary")
+def version_epoch(options: Mapping[str, Any], version: int) -> int:
+    """The mask epoch of `version` of a task whose scope options are `options`."""
+    return mask_config(options).epoch_of(version)
 
 
 @register_scope("ternary")

@@ -174,7 +174,8 @@ def _layer_table(path: Path) -> dict[str, list[Any]]:
         raise TernaryFormatError(f"{path}: metadata lacks a valid layer table") from e
 
 
-def _fill_layer(where: Path, name: str, m: BitLinear, tensors: dict[str, torch.Tensor]) -> None:
+def _fill_layer(where: str | Path, name: str, m: BitLinear,
+                tensors: dict[str, torch.Tensor]) -> None:
     part = {p: tensors.pop(f"{name}.{p}", None) for p in _LAYER_PARTS}
     if part["packed"] is None or part["gamma"] is None:
         raise TernaryFormatError(f"{where}: layer {name} lacks its packed codes or gamma")
