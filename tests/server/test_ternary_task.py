@@ -1,0 +1,261 @@
+"""A ternary (TerMeZO) task through the coordinator, with mask epochs every 2 versions.
+
+One federated run (module fixture): a tiny Llama converted to BitLinear, two in-process devices
+holding the packed form, 5 rounds on SQLite. Devices replay inside a mask epoch and load the
+published snapshot across an epoch start; the tests then check the coordinator's masks, the
+devices' checksums, the published snapshots, a restart, and a rebuild from version 0 + the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from seedfed.client.sync import SyncResult, catch_up_ternary, read_snapshot
+from seedfed.client.trainer import Batch, LocalTrainer, causal_lm_loss
+from seedfed.server import service
+from seedfed.server.aggregation import apply_entry
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.settings import Settings
+from seedfed.shared.models import build_model
+from seedfed.shared.replay import checksum
+from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.ternary import (
+    MaskConfig,
+    TernaryScope,
+    bitlinear_modules,
+    mask_config,
+    ternarize,
+    unpack_ternary,
+)
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from torch import nn
+
+from .conftest import make_settings
+
+VOCAB = 96
+ROUNDS = 5
+EPOCH_ROUNDS = 2
+OPTIONS = {"fraction": 0.05, "epoch_rounds": EPOCH_ROUNDS}
+
+
+def write_tiny_llama(path: Path) -> Path:
+    """A 2-layer Llama (hidden 32, vocab 96) with weights from an explicit generator."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class MasterView:
+    """The coordinator's ternary state at one version (copies)."""
+
+    checksum: str
+    epoch: int
+    latents: dict[str, torch.Tensor]
+    gammas: dict[str, torch.Tensor]
+    masks: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, scope: TernaryScope) -> MasterView:
+        layers = bitlinear_modules(scope.model)
+        latents = {n: m.weight.detach().clone() for n, m in layers if m.weight is not None}
+        assert len(latents) == len(layers), "the coordinator holds the latent form"
+        return cls(checksum(scope), scope.epoch, latents,
+                   {n: m.gamma.clone() for n, m in layers},
+                   {n: m.mask.clone() for n, m in layers if m.mask is not None})
+
+
+@dataclass
+class Device:
+    """A device holding the packed form: codes of every weight, latents of the mask only."""
+
+    device_id: str
+    model: nn.Module
+    seed: int
+    scope: TernaryScope | None = None
+    version: int | None = None
+    trainer: LocalTrainer | None = None
+    syncs: list[tuple[int, SyncResult]] = field(default_factory=list)  # (from, result)
+
+    def sync(self, coord: Coordinator, task_id: str, config: MaskConfig) -> SyncResult:
+        status = coord.task_status(task_id)
+        entries = [] if self.version is None else [
+            e.to_entry() for e in coord.log_since(task_id, self.version)]
+        scope, result = catch_up_ternary(
+            self.model, self.scope, task_id=task_id, version=self.version,
+            target=status.version, target_checksum=status.checksum, config=config,
+            entries=entries,
+            snapshot=lambda: read_snapshot(coord.snapshot(task_id, status.version,
+                                                          "ternary")[0]))
+        if scope is not self.scope:
+            self.trainer = LocalTrainer(self.model, scope, causal_lm_loss)
+        self.syncs.append((-1 if self.version is None else self.version, result))
+        self.scope, self.version = scope, result.version
+        return result
+
+    def batches(self, round_number: int) -> Iterator[Batch]:
+        gen = torch.Generator().manual_seed(1000 * self.seed + round_number)
+        while True:
+            yield {"input_ids": torch.randint(0, VOCAB, (2, 8), generator=gen)}
+
+
+@dataclass
+class Run:
+    settings: Settings
+    spec: TaskSpec
+    task_id: str
+    plans: list[RoundPlan]
+    entries: list[LogEntryWire]
+    masters: list[MasterView]  # index = version
+    devices: list[Device]
+
+
+def packed_device(spec: TaskSpec, device_id: str, seed: int) -> Device:
+    """The task's model built from its spec (Linear -> BitLinear), then packed, latents dropped:
+    everything trainable comes from the coordinator's snapshot."""
+    model = build_model(spec, initialize=False).model
+    for _, m in bitlinear_modules(model):
+        m.to_packed(keep_latents=False)
+    return Device(device_id, model, seed)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Run:
+    root = tmp_path_factory.mktemp("ternary-task")
+    spec = TaskSpec(model_path=str(write_tiny_llama(root / "model")), model_kind="causal_lm",
+                    scope="ternary", format="ternary", scope_options=dict(OPTIONS),
+                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
+    settings = make_settings(f"sqlite:///{root / 'coordinator.db'}", root / "store")
+    config = mask_config(spec.scope_options)
+    plans, entries = [], []
+    with Coordinator.open(settings) as coord:
+        task_id = coord.create_task(spec, quorum=2)
+        devices = [packed_device(spec, coord.enroll(task_id)[0], seed) for seed in (1, 2)]
+        masters = [MasterView.of(_master_scope(coord, task_id))]
+        for _ in range(ROUNDS):
+            plan = coord.open_round(task_id)
+            for d in devices:
+                d.sync(coord, task_id, config)
+                assert d.trainer is not None
+                res = d.trainer.run(plan, d.batches(plan.round))
+                coord.submit(task_id, d.device_id,
+                             Upload.build(plan, res.scalars, res.num_examples, res.loss))
+            entries.append(coord.close_round(task_id))
+            masters.append(MasterView.of(_master_scope(coord, task_id)))
+            plans.append(plan)
+        for d in devices:
+            d.sync(coord, task_id, config)
+    return Run(settings, spec, task_id, plans, entries, masters, devices)
+
+
+def _master_scope(coord: Coordinator, task_id: str) -> TernaryScope:
+    scope = service.load_master(coord.rt, task_id=task_id).bundle.scope
+    assert isinstance(scope, TernaryScope)
+    return scope
+
+
+def _same_masks(a: MasterView, b: MasterView) -> bool:
+    return all(torch.equal(a.masks[n], b.masks[n]) for n in a.masks)
+
+
+def test_coordinator_masks_change_at_each_epoch_start_and_hold_within_an_epoch(run: Run,
+                                                                               ) -> None:
+    epochs = [m.epoch for m in run.masters]
+    assert epochs == [v // EPOCH_ROUNDS for v in range(ROUNDS + 1)]
+    for v in range(1, ROUNDS + 1):
+        starts = v % EPOCH_ROUNDS == 0
+        assert _same_masks(run.masters[v - 1], run.masters[v]) is not starts, f"v{v}"
+
+
+def test_devices_match_the_coordinator_after_every_version(run: Run) -> None:
+    for d in run.devices:
+        assert [r.version for _, r in d.syncs] == list(range(ROUNDS + 1))
+        for frm, r in d.syncs:
+            expected = "replay" if frm >= 0 and r.version % EPOCH_ROUNDS else "snapshot"
+            assert r.method == expected, f"v{frm} -> v{r.version}"
+            assert r.checksum == run.masters[r.version].checksum
+        assert d.scope is not None and checksum(d.scope) == run.masters[-1].checksum
+        assert all(m.weight is None for _, m in bitlinear_modules(d.model)), "stays packed"
+
+
+def test_plans_and_log_entries_carry_the_mask_epoch(run: Run) -> None:
+    assert [p.mask_epoch for p in run.plans] == [p.version // EPOCH_ROUNDS for p in run.plans]
+    assert [e.mask_epoch for e in run.entries] == [
+        (e.base_version + 1) // EPOCH_ROUNDS for e in run.entries]
+    assert [e.checksum for e in run.entries] == [m.checksum for m in run.masters[1:]]
+    assert all(any(c != 0 for c in e.to_entry().coefs) for e in run.entries), "it trained"
+
+
+def test_published_snapshot_is_the_ternarized_coordinator_latents(run: Run) -> None:
+    with Coordinator.open(run.settings) as coord:
+        for v, master in enumerate(run.masters):
+            tensors = read_snapshot(coord.snapshot(run.task_id, v, "ternary")[0])
+            for name, latents in master.latents.items():
+                codes = unpack_ternary(tensors[f"{name}.packed"], latents.numel())
+                gamma = master.gammas[name]
+                assert torch.equal(codes.view_as(latents), ternarize(latents, gamma)), name
+                assert torch.equal(tensors[f"{name}.gamma"].reshape(()), gamma.reshape(()))
+                assert torch.equal(tensors[f"{name}.mask"], master.masks[name])
+                assert torch.equal(tensors[f"{name}.latent"],
+                                   latents.reshape(-1)[master.masks[name].long()])
+
+
+def test_restarted_coordinator_reloads_the_current_master_with_full_latents(run: Run) -> None:
+    # Act: a new Runtime on the same database and store
+    with Coordinator.open(run.settings) as coord:
+        scope = _master_scope(coord, run.task_id)
+        status = coord.task_status(run.task_id)
+    # Assert
+    view, last = MasterView.of(scope), run.masters[-1]
+    assert status.version == ROUNDS and view.checksum == status.checksum == last.checksum
+    assert view.epoch == last.epoch == ROUNDS // EPOCH_ROUNDS
+    for name in last.latents:
+        assert torch.equal(view.latents[name], last.latents[name])
+        assert torch.equal(view.gammas[name], last.gammas[name])
+        assert torch.equal(view.masks[name], last.masks[name])
+
+
+def test_rebuild_from_version_zero_and_the_log_reproduces_every_version(run: Run) -> None:
+    # Arrange: version 0 as create_task built it, and the log
+    scope = build_model(run.spec, initialize=True).scope
+    assert isinstance(scope, TernaryScope)
+    with Coordinator.open(run.settings) as coord:
+        log = coord.log_since(run.task_id, 0)
+    assert checksum(scope) == run.masters[0].checksum
+    # Act / Assert: every version's checksum and full state, bit for bit
+    for wire in log:
+        entry = wire.to_entry()
+        apply_entry(scope, entry.seeds, entry.coefs)
+        scope.enter_version(entry.version)
+        view, want = MasterView.of(scope), run.masters[entry.version]
+        assert view.checksum == entry.checksum == want.checksum, f"v{entry.version}"
+        assert all(torch.equal(view.latents[n], want.latents[n]) for n in want.latents)
+        assert all(torch.equal(view.gammas[n], want.gammas[n]) for n in want.gammas)
+        assert _same_masks(view, want)
+
+
+def test_catchup_plan_downloads_across_an_epoch_start_and_replays_inside_one(run: Run,
+                                                                            ) -> None:
+    # Rates that make replay far cheaper than any download: only an epoch start forces one.
+    rates = {"bandwidth": 1.0, "regen_rate": 1e15}
+    with Coordinator.open(run.settings) as coord:
+        inside = coord.catchup(run.task_id, ROUNDS - 1, **rates)  # v4 -> v5, epoch 2
+        across = coord.catchup(run.task_id, ROUNDS - 2, **rates)  # v3 -> v5 crosses v4
+        from_zero = coord.catchup(run.task_id, 0, **rates)
+    assert inside.action == "replay" and inside.reason is None
+    assert across.action == "download" and "mask epoch" in (across.reason or "")
+    assert from_zero.action == "download"
+    assert inside.mask_epoch == across.mask_epoch == ROUNDS // EPOCH_ROUNDS
