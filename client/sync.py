@@ -5,6 +5,10 @@ a snapshot of version v (safetensors of the exact float32 trainable state). Eith
 the checksum the coordinator published for v, or it raises and keeps nothing half-applied. Which
 of the two is cheaper is the coordinator's call (it knows the log); `replay_cost_bytes` and
 `snapshot_cost_bytes` are the estimates a device without a catch-up plan uses.
+
+A ternary task adds one rule (`catch_up_ternary`): replay only inside a mask epoch; across an
+epoch start the device loads the published ternary snapshot, since its packed model holds no
+latents outside its old mask.
 """
 
 from __future__ import annotations

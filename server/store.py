@@ -8,7 +8,9 @@ Layout under the store directory (paths in the database are relative to it):
 A state file maps each canonical scope tensor name to the flat float32 values the scope covers
 (exactly `Scope.read()`), so a device loads it with
 `scope.write(safetensors.torch.load(data))` and checks `replay.checksum(scope)` against the
-checksum header. The file metadata repeats task id, version, format and checksum.
+checksum header. The file metadata repeats task id, version, format and checksum. (A master file
+holds `Scope.master_state()`, which is `read()` for every scope but `ternary`: there it is every
+latent plus gammas, masks and the mask epoch, so a restart can rebuild a later mask epoch.)
 
 Files are written to a temporary name, fsynced and renamed into place (then the directory is
 fsynced) BEFORE the database commit that references them: a crash leaves at worst an orphan

@@ -259,3 +259,47 @@ def test_catchup_plan_downloads_across_an_epoch_start_and_replays_inside_one(run
     assert across.action == "download" and "mask epoch" in (across.reason or "")
     assert from_zero.action == "download"
     assert inside.mask_epoch == across.mask_epoch == ROUNDS // EPOCH_ROUNDS
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash(*_args: object) -> None:
+    raise Crash("simulated crash")
+
+
+@pytest.mark.parametrize("point", ["after_files", "mid_aggregation"])
+def test_crash_while_closing_an_epoch_start_recovers_the_same_version(
+        run: Run, tmp_path: Path, point: str) -> None:
+    # Arrange: a fresh task whose round 2 commits v2, the start of mask epoch 1
+    settings = make_settings(f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "store")
+    with Coordinator.open(settings) as coord:
+        task_id = coord.create_task(run.spec)
+        dev, _ = coord.enroll(task_id)
+        for r in (1, 2):
+            plan = coord.open_round(task_id)
+            g = torch.linspace(-3.0, 3.0, plan.steps * plan.perturbations) * r
+            coord.submit(task_id, dev, Upload.build(plan, g.numpy(), 2, 0.5))
+            if r == 1:
+                coord.close_round(task_id)
+        setattr(coord.rt.faults, point, _crash)
+        # Act: the close crashes after the epoch start changed the in-memory master
+        with pytest.raises(Crash):
+            coord.close_round(task_id)
+    with Coordinator.open(settings) as coord:  # recover() finishes round 2
+        log = coord.log_since(task_id, 0)
+        restored = _master_scope(coord, task_id)
+    # Assert: the same bits as a rebuild from version 0 and the log
+    scope = build_model(run.spec, initialize=True).scope
+    assert isinstance(scope, TernaryScope)
+    for wire in log:
+        entry = wire.to_entry()
+        apply_entry(scope, entry.seeds, entry.coefs)
+        scope.enter_version(entry.version)
+        assert checksum(scope) == entry.checksum
+    assert [e.base_version + 1 for e in log] == [1, 2] and log[-1].mask_epoch == 1
+    assert restored.epoch == 1 and checksum(restored) == log[-1].checksum
+    want = MasterView.of(scope)
+    assert all(torch.equal(MasterView.of(restored).latents[n], want.latents[n])
+               for n in want.latents)
