@@ -71,3 +71,20 @@ def test_upload_refuses_extra_fields_and_nan_loss():
 def test_log_entry_wire_round_trip_keeps_float32_coefficients():
     e = LogEntry("t", 3, (1, 2), (float(np.float32(0.1)), float(np.float32(-2e-7))), "ab" * 32)
     assert LogEntryWire.from_entry(e).to_entry() == e
+
+
+def test_mask_epoch_is_optional_and_absent_from_the_json_when_unset():
+    # Arrange / Act
+    plain = PLAN.model_dump_json()
+    ternary = PLAN.model_copy(update={"mask_epoch": 3})
+    e = LogEntry("t", 3, (1,), (0.5,), "ab" * 32)
+    wire = LogEntryWire.from_entry(e, mask_epoch=2)
+    # Assert: messages of tasks without epochs are unchanged; with one, it round-trips
+    assert "mask_epoch" not in plain and "mask_epoch" not in LogEntryWire.from_entry(
+        e).model_dump_json()
+    assert RoundPlan.model_validate_json(ternary.model_dump_json()).mask_epoch == 3
+    again = LogEntryWire.model_validate_json(wire.model_dump_json())
+    assert again.mask_epoch == 2 and again.to_entry().meta == {"mask_epoch": 2}
+    assert LogEntryWire.from_entry(again.to_entry()).mask_epoch == 2
+    with pytest.raises(ValidationError):
+        RoundPlan.model_validate({**PLAN.model_dump(), "mask_epoch": -1})
