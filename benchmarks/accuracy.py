@@ -152,7 +152,7 @@ def fed_zo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: E
         for d in chosen:
             res = trainer.run(plan, streams[d])
             g.append(res.scalars.reshape(-1))
-            weights.append(res.num_examples)
+            weights.append(len(device_data[d]))  # n_k, as the devices report it
             losses.append(res.loss)
             curve.forwards += res.forwards
             curve.example_forwards += res.forwards * res.num_examples // hyper.steps
@@ -242,9 +242,9 @@ def fedavg_fo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test
             for p in params:
                 p.requires_grad_(False)
                 p.grad = None
-            for n, v in scope.read().items():
-                summed[n] += n_ex * v
-            total += n_ex
+            for n, v in scope.read().items():  # weighted by n_k, as FedAvg
+                summed[n] += len(device_data[d]) * v
+            total += len(device_data[d])
         scope.write({n: v / total for n, v in summed.items()})
         if (r + 1) % every == 0 or r + 1 == rounds:
             _eval(curve, bundle, test, curve.example_forwards, float(np.mean(losses)))

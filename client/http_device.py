@@ -229,18 +229,19 @@ class HttpDevice:
         batches = data_mod.train_batches(self.examples(), bundle.tokenizer, plan.batch_size,
                                          bundle.spec.max_seq_len, rng)
         result = trainer.run(plan, batches)
+        weight = len(self.examples())  # local training set size (see flower_app.train)
         if checksum(bundle.scope) != sync.checksum:
             raise SeedfedError(f"local steps did not restore v{plan.version} exactly")
         body = pack_binary(result.scalars)
         self._request("POST", f"{self._task}/rounds/{plan.round}/uploads", content=body,
                       headers={"Content-Type": "application/octet-stream",
                                "X-Seedfed-Version": str(plan.version),
-                               "X-Seedfed-Num-Examples": str(result.num_examples),
+                               "X-Seedfed-Num-Examples": str(weight),
                                "X-Seedfed-Loss": repr(float(result.loss))})
         self.meta["last_round"] = plan.round
         self._write_meta()
-        return RoundOutcome(plan.round, plan.version, sync.method, result.loss,
-                            result.num_examples, len(body))
+        return RoundOutcome(plan.round, plan.version, sync.method, result.loss, weight,
+                            len(body))
 
     def run(self, rounds: int | None = None, deadline_s: float | None = None,
             ) -> list[RoundOutcome]:

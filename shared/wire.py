@@ -136,6 +136,7 @@ class Upload(_Schema):
     version: int = Field(ge=0)
     shape: tuple[int, int]
     scalars: str  # base64 float32 LE, see encode_scalars
+    #: Aggregation weight: the size of the device's local training set (FedAvg's n_k).
     num_examples: int = Field(gt=0)
     loss: float
 

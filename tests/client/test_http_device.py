@@ -61,6 +61,9 @@ def test_two_devices_train_two_rounds_and_match_the_coordinator(world: dict) -> 
     assert {s.checksum for s in synced} == {status.checksum}
     assert all(o.upload_bytes == 16 + 4 * 2 * 2 for o in first + second)
     assert [m.participants for m in coord.round_metrics(task)[:2]] == [2, 2]
+    # the aggregation weight is each device's training-set size (FedAvg's n_k), not its batch
+    sizes = [len(d.examples()) for d in devices]
+    assert [o.num_examples for o in first] == sizes and sizes != [8, 8]
 
 
 def test_a_restarted_device_keeps_its_token_and_state(world: dict) -> None:
