@@ -218,6 +218,30 @@ def train_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: 
                            max_len)
 
 
+def lm_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: int,
+               rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """`train_batches` for a causal LM: the texts only (labels unused), next-token targets in
+    `labels` with padding set to -100, so a loss skips it (`trainer.causal_lm_loss`)."""
+    for batch in train_batches(examples, tokenizer, batch_size, max_len, rng):
+        yield lm_targets(batch)
+
+
+def batches_for(model_kind: str, examples: Examples, tokenizer: Any, batch_size: int,
+                max_len: int, rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """Training batches for a model kind: `lm_batches` for a causal LM, else `train_batches`."""
+    make = lm_batches if model_kind == "causal_lm" else train_batches
+    return make(examples, tokenizer, batch_size, max_len, rng)
+
+
+def lm_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tokenized batch as a language-modelling batch: labels = input_ids, -100 on padding."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    labels = ids.clone() if mask is None else ids.masked_fill(mask == 0, -100)
+    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")} | {
+        "labels": labels}
+
+
 def eval_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: int,
                  ) -> Iterator[dict[str, torch.Tensor]]:
     """Every example once, in file order (per-example output lines up with the file;

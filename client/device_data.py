@@ -91,9 +91,12 @@ def dataset_splits(source: str) -> data_mod.Splits:
 @torch.no_grad()
 def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                    batch_size: int = 32) -> tuple[float, float]:
-    """(accuracy, mean loss) of the model on labelled examples; (0, 0) for none."""
+    """(accuracy, mean loss) of the model on labelled examples; (0, 0) for none. A causal LM
+    (a ternary task's BitNet model) scores next-token accuracy and loss on the texts instead."""
     if len(examples) == 0:
         return 0.0, 0.0
+    if bundle.spec.model_kind == "causal_lm":
+        return _next_token_accuracy(bundle, examples, batch_size)
     correct, loss_sum = 0, 0.0
     for batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
                                        bundle.spec.max_seq_len):
@@ -103,3 +106,24 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                                                             reduction="sum"))
         correct += int((logits.argmax(-1) == batch["labels"]).sum())
     return correct / len(examples), loss_sum / len(examples)
+
+
+@torch.no_grad()
+def _next_token_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
+                         batch_size: int) -> tuple[float, float]:
+    """(next-token accuracy, mean next-token loss) over every non-padding target token."""
+    correct = tokens = 0
+    loss_sum = 0.0
+    for raw in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
+                                     bundle.spec.max_seq_len):
+        batch = data_mod.lm_targets(raw)
+        logits = bundle.model(input_ids=batch["input_ids"],
+                              attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
+        target = batch["labels"][:, 1:]
+        keep = target != -100
+        loss_sum += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100,
+            reduction="sum"))
+        correct += int(((logits.argmax(-1) == target) & keep).sum())
+        tokens += int(keep.sum())
+    return (correct / tokens, loss_sum / tokens) if tokens else (0.0, 0.0)

@@ -8,6 +8,13 @@ The device keeps what it must survive a restart in its state directory: its id a
 (file mode 0600), the version and checksum it stands at and its trainable state (safetensors).
 It runs its own copy of the base model (`model`), so the coordinator's `model_path` never has to
 exist on the device.
+
+A ternary task (scope "ternary") holds its model packed (`client.ternary.PackedTernary`) and
+downloads the published ternary snapshot (`?format=ternary`), never the fp32 master: at join
+time and at every mask epoch start, replaying the log inside an epoch. Its state directory
+also keeps the last snapshot it loaded (`ternary.safetensors`, with its version and checksum
+in device.json): with the masked latents in `state.safetensors` that rebuilds the packed
+model on a restart without a download, as long as the task is still in the same mask epoch.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,14 +33,19 @@ import numpy as np
 from seedfed.client import data as data_mod
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
+from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary, is_ternary
 from seedfed.client.trainer import LocalTrainer, classification_loss
 from seedfed.shared.errors import ChecksumMismatchError, LogEntryMismatchError, SeedfedError
 from seedfed.shared.models import ModelBundle, build_model
-from seedfed.shared.replay import checksum
+from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import LogEntryWire, RoundPlan, pack_binary
 
 log = logging.getLogger(__name__)
+
+#: State-directory file of a ternary device: the published snapshot its packed model came from.
+TERNARY_SNAPSHOT_FILE = "ternary.safetensors"
+STATE_FILE = "state.safetensors"
 
 
 class DeviceHttpError(SeedfedError, RuntimeError):
@@ -88,6 +101,7 @@ class HttpDevice:
         self.meta: dict[str, Any] = self._read_meta()
         self.bundle: ModelBundle | None = None
         self.trainer: LocalTrainer | None = None
+        self.ternary: PackedTernary | None = None  # set instead of bundle/trainer (ternary)
         self._examples: data_mod.Examples | None = None
 
     # -- HTTP ----------------------------------------------------------------------------------
@@ -155,18 +169,35 @@ class HttpDevice:
         self._write_meta()
         return str(body["device_id"])
 
-    def load_model(self) -> ModelBundle:
-        """The task's model on this device's own copy of the base weights."""
+    def _spec(self) -> TaskSpec:
+        spec = TaskSpec.from_dict(self._request("GET", f"{self._task}/spec").json())
+        return replace(spec, model_path=self.config.model) if self.config.model else spec
+
+    def _ensure_model(self) -> None:
+        """Build the task's model once: a ternary task's packed model (restored from the state
+        directory when it can be), or the bundle of any other task."""
+        if self.bundle is not None or self.ternary is not None:
+            return
+        spec = self._spec()
+        if is_ternary(spec):
+            self.ternary = PackedTernary(spec)
+            self._restore_ternary()
+        else:
+            self.load_model(spec)
+
+    def load_model(self, spec: TaskSpec | None = None) -> ModelBundle:
+        """The task's model on this device's own copy of the base weights (not for ternary
+        tasks: their packed model is `self.ternary`)."""
         if self.bundle is None:
-            spec = TaskSpec.from_dict(self._request("GET", f"{self._task}/spec").json())
-            if self.config.model:
-                spec = replace(spec, model_path=self.config.model)
+            spec = spec or self._spec()
+            if is_ternary(spec):
+                raise SeedfedError("a ternary task's model is held packed (HttpDevice.ternary)")
             if spec.model_kind != "seq_cls":
                 raise SeedfedError(f"the HTTP device trains seq_cls tasks, not "
                                    f"{spec.model_kind}")
             self.bundle = build_model(spec, initialize=False)
             self.trainer = LocalTrainer(self.bundle.model, self.bundle.scope, classification_loss)
-            state = self.state_dir / "state.safetensors"
+            state = self.state_dir / STATE_FILE
             if self.version is not None and state.is_file():
                 try:
                     load_state(self.bundle.scope, state.read_bytes(), self.meta["checksum"])
@@ -177,6 +208,9 @@ class HttpDevice:
 
     def sync(self, target: int | None = None) -> SyncResult:
         """Catch up to `target` (default: the task's current version), verified."""
+        self._ensure_model()
+        if self.ternary is not None:
+            return self._sync_ternary(target)
         bundle = self.load_model()
         status = self._request("GET", self._task).json()
         target = int(status["version"]) if target is None else target
@@ -200,10 +234,86 @@ class HttpDevice:
             chk = load_state(bundle.scope, resp.content, resp.headers["X-Seedfed-Checksum"])
             result = SyncResult(target, chk, "snapshot")
         if result.method != "none":
-            (self.state_dir / "state.safetensors").write_bytes(state_bytes(bundle.scope))
+            (self.state_dir / STATE_FILE).write_bytes(state_bytes(bundle.scope))
         self.meta.update(version=result.version, checksum=result.checksum)
         self._write_meta()
         return result
+
+    # -- ternary tasks ---------------------------------------------------------------------------
+    def _restore_ternary(self) -> None:
+        """Rebuild the packed model from the state directory (the epoch's snapshot + the
+        stored version's latents); anything missing or unverified means a fresh download."""
+        t = self.ternary
+        assert t is not None
+        if self.version is None:
+            return
+        try:
+            t.restore(snapshot=(self.state_dir / TERNARY_SNAPSHOT_FILE).read_bytes(),
+                      snapshot_version=int(self.meta["snapshot_version"]),
+                      snapshot_checksum=str(self.meta["snapshot_checksum"]),
+                      state=(self.state_dir / STATE_FILE).read_bytes()
+                      if (self.state_dir / STATE_FILE).is_file() else None,
+                      version=self.version, checksum=str(self.meta["checksum"]))
+        except (SeedfedError, OSError, KeyError, ValueError) as e:
+            log.warning("stored ternary state unusable (%s); will download a snapshot", e)
+            t.forget()
+            self.meta.pop("version", None)
+
+    def _sync_ternary(self, target: int | None) -> SyncResult:
+        """`PackedTernary.sync` over REST: the log when the catch-up plan says replay (the
+        coordinator forces a download across a mask epoch start), else the published ternary
+        snapshot of `target`. The result and what a restart needs go to the state directory."""
+        t = self.ternary
+        assert t is not None
+        status = self._request("GET", self._task).json()
+        target = int(status["version"]) if target is None else target
+        if t.version == target:
+            return SyncResult(target, t.checksum, "none")
+        entries: list[LogEntry] = []
+        if t.version is not None and t.version < target:
+            plan = self._request("GET", f"{self._task}/catchup",
+                                 params={"from": t.version,
+                                         "bandwidth": self.config.bandwidth}).json()
+            if plan["action"] == "replay":
+                entries = [LogEntryWire.model_validate(e).to_entry() for e in self._request(
+                    "GET", f"{self._task}/log", params={"since": t.version}).json()]
+        downloads: dict[int, httpx.Response] = {}
+
+        def download() -> httpx.Response:
+            if target not in downloads:
+                downloads[target] = self._request("GET", f"{self._task}/snapshots/{target}",
+                                                  params={"format": SNAPSHOT_FORMAT})
+            return downloads[target]
+
+        result = t.sync(task_id=self.config.task_id, target=target,
+                        target_checksum=self._checksum_of(target, status, entries, download),
+                        entries=entries, fetch=lambda: download().content)
+        assert t.scope is not None
+        if result.method == "snapshot":
+            assert t.snapshot is not None
+            _write_atomic(self.state_dir / TERNARY_SNAPSHOT_FILE, t.snapshot)
+            self.meta.update(snapshot_version=t.snapshot_version,
+                             snapshot_checksum=t.snapshot_checksum)
+        if result.method != "none":
+            _write_atomic(self.state_dir / STATE_FILE, state_bytes(t.scope))
+        self.meta.update(version=result.version, checksum=result.checksum)
+        self._write_meta()
+        return result
+
+    def _checksum_of(self, version: int, status: dict[str, Any], entries: Sequence[LogEntry],
+                     download: Callable[[], httpx.Response]) -> str:
+        """The coordinator's checksum of `version`: the task status for the current version,
+        else the log entry that made it, else (version 0, since moved on) the snapshot's."""
+        if version == int(status["version"]):
+            return str(status["checksum"])
+        for e in entries:
+            if e.version == version and e.checksum is not None:
+                return str(e.checksum)
+        if version > 0:
+            made = self._request("GET", f"{self._task}/log",
+                                 params={"since": version - 1, "limit": 1}).json()
+            return str(LogEntryWire.model_validate(made[0]).checksum)
+        return str(download().headers["X-Seedfed-Checksum"])
 
     def examples(self) -> data_mod.Examples:
         if self._examples is None:
@@ -222,12 +332,16 @@ class HttpDevice:
     def train_and_upload(self, plan: RoundPlan) -> RoundOutcome:
         """Catch up to the plan's version, run its steps, upload the scalars (binary form)."""
         sync = self.sync(plan.version)
-        bundle, trainer = self.bundle, self.trainer
-        assert bundle is not None and trainer is not None
+        if self.ternary is not None:
+            bundle, trainer = self.ternary.bundle, self.ternary.trainer
+        else:
+            assert self.bundle is not None and self.trainer is not None
+            bundle, trainer = self.bundle, self.trainer
         cfg = self.config.data
         rng = np.random.default_rng([cfg.seed, cfg.partition_id, plan.round])
-        batches = data_mod.train_batches(self.examples(), bundle.tokenizer, plan.batch_size,
-                                         bundle.spec.max_seq_len, rng)
+        batches = data_mod.batches_for(bundle.spec.model_kind, self.examples(),
+                                       bundle.tokenizer, plan.batch_size,
+                                       bundle.spec.max_seq_len, rng)
         result = trainer.run(plan, batches)
         weight = len(self.examples())  # local training set size (see flower_app.train)
         if checksum(bundle.scope) != sync.checksum:
@@ -264,3 +378,9 @@ class HttpDevice:
                 log.info("round %d: %s", plan.round, e.detail)
                 self.meta["last_round"] = plan.round
         return done
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

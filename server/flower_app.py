@@ -105,8 +105,10 @@ class RestCoordinator:
         return [LogEntryWire.model_validate(e) for e in self._call(
             "GET", f"/v1/tasks/{task_id}/log", params={"since": version}).json()]
 
-    def snapshot(self, task_id: str, version: int) -> tuple[bytes, str]:
-        resp = self._call("GET", f"/v1/tasks/{task_id}/snapshots/{version}")
+    def snapshot(self, task_id: str, version: int, fmt: str | None = None,
+                 ) -> tuple[bytes, str]:
+        resp = self._call("GET", f"/v1/tasks/{task_id}/snapshots/{version}",
+                          params={} if fmt is None else {"format": fmt})
         return resp.content, resp.headers["X-Seedfed-Checksum"]
 
     def task_status(self, task_id: str) -> Any:

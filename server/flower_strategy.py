@@ -41,7 +41,8 @@ class CoordinatorPort(Protocol):
     def submit(self, task_id: str, device_id: str, upload: Upload) -> None: ...
     def close_round(self, task_id: str) -> LogEntryWire: ...
     def log_since(self, task_id: str, version: int) -> list[LogEntryWire]: ...
-    def snapshot(self, task_id: str, version: int) -> tuple[bytes, str]: ...
+    def snapshot(self, task_id: str, version: int, fmt: str | None = None,
+                 ) -> tuple[bytes, str]: ...
     def task_status(self, task_id: str) -> Any: ...
     def task_spec(self, task_id: str) -> Any: ...
     def catchup(self, task_id: str, from_version: int) -> Any: ...
@@ -131,6 +132,7 @@ class SeedfedStrategy(Strategy):
         self._plan: RoundPlan | None = None
         self._rng = random.Random(config.sample_seed)
         self._spec_json: str | None = None
+        self._snapshot_format: str | None = None
 
     # -- fleet bookkeeping -------------------------------------------------------------------
     def _node(self, node_id: int) -> _Node:
@@ -155,6 +157,15 @@ class SeedfedStrategy(Strategy):
             self._spec_json = json.dumps(spec.to_dict() if hasattr(spec, "to_dict") else spec)
         return self._spec_json
 
+    def _snapshot_fmt(self) -> str:
+        """The snapshot a device loads: the fp32 trainable state, except on a ternary task,
+        whose devices hold the packed model and so take the published ternary snapshot
+        (codes, gammas, masks, masked latents; the fp32 master file holds every latent)."""
+        if self._snapshot_format is None:
+            spec = json.loads(self._task_json())
+            self._snapshot_format = "ternary" if spec.get("scope") == "ternary" else "fp32"
+        return self._snapshot_format
+
     def _catch_up(self, node: _Node, target: int, cache: dict[int, list[LogEntryWire]],
                   ) -> dict[str, Any]:
         """How the device reaches `target`: nothing, the log entries it missed, or a snapshot
@@ -171,9 +182,14 @@ class SeedfedStrategy(Strategy):
             if cache[node.version]:
                 return {"entries": json.dumps([e.model_dump_json()
                                                for e in cache[node.version]])}
-        data, chk = self.coordinator.snapshot(self.task_id, target)
+        fmt = self._snapshot_fmt()
+        if fmt == "fp32":  # `snapshot-format` absent means fp32 (messages as before)
+            data, chk = self.coordinator.snapshot(self.task_id, target)
+            return {"snapshot": data, "snapshot-version": target, "snapshot-checksum": chk,
+                    "task": self._task_json()}
+        data, chk = self.coordinator.snapshot(self.task_id, target, fmt)
         return {"snapshot": data, "snapshot-version": target, "snapshot-checksum": chk,
-                "task": self._task_json()}
+                "snapshot-format": fmt, "task": self._task_json()}
 
     def _message(self, node_id: int, payload: dict[str, Any], kind: str) -> Message:
         content = RecordDict({RECORD: ConfigRecord({"task-id": self.task_id, **payload})})

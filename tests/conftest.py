@@ -31,3 +31,11 @@ def fleet_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("fleet")
     return make_tiny_bert(root / "model"), write_sentiment_tsv(root / "data.tsv")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama causal LM with a character tokenizer (ternary tasks on devices)."""
+    from tests.fleet_helpers import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "model", tokenizer=True)

@@ -1,7 +1,8 @@
-"""A tiny BERT classifier directory and a labelled TSV for the Flower and simulation tests.
+"""Tiny model directories and a labelled TSV for the Flower, device and simulation tests.
 
-The model is small enough that a device round takes milliseconds, so the Flower tests measure
-the machinery (catch-up, wire, coordinator) rather than MiniLM's forward pass.
+A BERT classifier and a Llama causal LM (the ternary tasks' model, converted to BitLinear by
+the task) small enough that a device round takes milliseconds, so the tests measure the
+machinery (catch-up, wire, coordinator) rather than a real model's forward pass.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from seedfed.shared.task import Hyper, TaskSpec
 
 POSITIVE = ("good", "great", "lovely", "fine", "happy", "sunny")
 NEGATIVE = ("bad", "awful", "sad", "poor", "dull", "grim")
@@ -50,3 +52,51 @@ def write_sentiment_tsv(path: Path, n: int = 600, seed: int = 0) -> Path:
         lines.append(f"{label}\t{' '.join(fill[:2])} {word} {fill[2]} {'very ' * (i % 7)}it")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+#: Vocabulary size of the tiny Llama (its character tokenizer uses the first ids only).
+LLAMA_VOCAB = 96
+#: Characters of the tiny Llama's tokenizer (lower-cased input), after its special tokens.
+LLAMA_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-:"
+
+
+def write_tiny_llama(path: Path, tokenizer: bool = False, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 32, vocab 96) with weights from an explicit generator; with
+    `tokenizer`, also a character-level tokenizer (what a device needs to train on text)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=32)
+    model = LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(path)
+    if tokenizer:
+        _char_tokenizer().save_pretrained(path)
+    return path
+
+
+def ternary_spec(model: Path, epoch_rounds: int = 2) -> TaskSpec:
+    """A ternary (TerMeZO) causal-LM task on `model`: 5% masks, a mask epoch every
+    `epoch_rounds` versions, 2 steps x 2 perturbations of 2 examples."""
+    return TaskSpec(model_path=str(model), model_kind="causal_lm", scope="ternary",
+                    format="ternary", max_seq_len=16,
+                    scope_options={"fraction": 0.05, "epoch_rounds": epoch_rounds},
+                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
+
+
+def _char_tokenizer() -> object:
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + list(LLAMA_CHARS))}
+    assert len(vocab) <= LLAMA_VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")

@@ -34,28 +34,13 @@ from seedfed.shared.ternary import (
 from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
 from torch import nn
 
+from ..fleet_helpers import LLAMA_VOCAB, write_tiny_llama
 from .conftest import make_settings
 
-VOCAB = 96
+VOCAB = LLAMA_VOCAB
 ROUNDS = 5
 EPOCH_ROUNDS = 2
 OPTIONS = {"fraction": 0.05, "epoch_rounds": EPOCH_ROUNDS}
-
-
-def write_tiny_llama(path: Path) -> Path:
-    """A 2-layer Llama (hidden 32, vocab 96) with weights from an explicit generator."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=32)
-    model = LlamaForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.save_pretrained(path)
-    return path
 
 
 @dataclass(frozen=True)

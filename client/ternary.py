@@ -1,0 +1,160 @@
+"""A device on a ternary (TerMeZO) task: the packed model, its sync and what a restart needs.
+
+Both device front ends (Flower ClientApp and plain HTTP) use this. A ternary device never
+holds the fp32 model: it builds the task's model from the TaskSpec (Linear -> BitLinear),
+packs every layer without latents, and takes codes, gammas, masks and masked latents from the
+coordinator's published ternary snapshot (`?format=ternary`, never the fp32 master file,
+which for ternary holds every latent). z covers the masked latents only.
+
+Sync is `client.sync.catch_up_ternary`: replay inside a mask epoch, the published snapshot of
+the target across an epoch start (checksum verified either way).
+
+Restart state. The masked latents alone cannot rebuild the packed model (the codes of the
+other weights and gamma come from the snapshot), so a device keeps two things:
+
+- `snapshot`: the bytes of the last published snapshot it loaded (version `snapshot_version`,
+  checksum `snapshot_checksum`). Within a mask epoch the codes outside the mask, gamma and
+  the mask never change, so this file stays valid for the whole epoch; it is replaced at the
+  next epoch start, when the device downloads a new one anyway.
+- the scope state of its current version (`client.sync.state_bytes`: the masked latents).
+
+`restore` loads the snapshot, then the latents, verifying both checksums; anything that does
+not verify raises, and the caller downloads a fresh snapshot instead. Storage is the packed
+model's size (about 2 bits per weight plus the mask), the same as what the device holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from seedfed.client.sync import SyncResult, catch_up_ternary, load_state, read_snapshot
+from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, classification_loss
+from seedfed.shared.errors import SeedfedError
+from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.replay import LogEntry
+from seedfed.shared.task import TaskSpec
+from seedfed.shared.ternary import (
+    MaskConfig,
+    TernaryScope,
+    bitlinear_modules,
+    load_published_ternary,
+    mask_config,
+)
+
+#: The `?format=` of the snapshot a ternary device downloads (the task's published format).
+SNAPSHOT_FORMAT = "ternary"
+
+
+class TernaryDeviceError(SeedfedError, RuntimeError):
+    """The packed model cannot reach the requested version with what it holds and was sent."""
+
+
+def is_ternary(spec: TaskSpec) -> bool:
+    return spec.scope == "ternary"
+
+
+def loss_for(spec: TaskSpec) -> LossOnBatch:
+    """The training loss of a task's model kind."""
+    return causal_lm_loss if spec.model_kind == "causal_lm" else classification_loss
+
+
+class PackedTernary:
+    """A ternary task's model held packed on a device, and the version it stands at.
+
+    `scope` is None until the first snapshot is loaded (a fresh model holds no latents). A
+    snapshot rebuilds the layers and so replaces the scope; `trainer` follows it.
+    """
+
+    def __init__(self, spec: TaskSpec) -> None:
+        if not is_ternary(spec):
+            raise ValueError(f"task scope is {spec.scope!r}, not 'ternary'")
+        bundle = build_model(spec, initialize=False)
+        if bundle.tokenizer is None:
+            raise TernaryDeviceError(f"{spec.model_path} has no tokenizer; a device needs one "
+                                     "to turn its texts into tokens")
+        for _, m in bitlinear_modules(bundle.model):
+            m.to_packed(keep_latents=False)
+        # bundle.scope still references the fp32 latents just dropped: let it go with them.
+        self.model, self.tokenizer, self.spec = bundle.model, bundle.tokenizer, spec
+        self.config: MaskConfig = mask_config(spec.scope_options)
+        self.loss = loss_for(spec)
+        self.scope: TernaryScope | None = None
+        self.version: int | None = None
+        self.checksum = ""
+        self.snapshot: bytes | None = None
+        self.snapshot_version: int | None = None
+        self.snapshot_checksum = ""
+        self._trainer: LocalTrainer | None = None
+
+    # -- what the rest of the device uses -------------------------------------------------------
+    @property
+    def bundle(self) -> ModelBundle:
+        """The model as a ModelBundle (for batches and local scoring); needs a loaded scope."""
+        if self.scope is None:
+            raise TernaryDeviceError("the packed model holds no snapshot yet")
+        return ModelBundle(model=self.model, tokenizer=self.tokenizer, scope=self.scope,
+                           spec=self.spec)
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        if self.scope is None:
+            raise TernaryDeviceError("the packed model holds no snapshot yet")
+        if self._trainer is None or self._trainer.scope is not self.scope:
+            self._trainer = LocalTrainer(self.model, self.scope, self.loss)
+        return self._trainer
+
+    def forget(self) -> None:
+        """Stop trusting the in-memory state (after a failure): the next sync reloads."""
+        self.version, self.checksum = None, ""
+
+    # -- catching up ----------------------------------------------------------------------------
+    def load_snapshot(self, data: bytes, version: int, checksum: str) -> SyncResult:
+        """Load a published ternary snapshot of `version` (bytes), verified against
+        `checksum`; on a refusal the model stays as it was."""
+        self.scope = load_published_ternary(self.model, read_snapshot(data), config=self.config,
+                                            epoch=self.config.epoch_of(version),
+                                            expected_checksum=checksum)
+        self.version, self.checksum = version, checksum
+        self.snapshot, self.snapshot_version, self.snapshot_checksum = data, version, checksum
+        return SyncResult(version, checksum, "snapshot")
+
+    def sync(self, *, task_id: str, target: int, target_checksum: str,
+             entries: Sequence[LogEntry], fetch: Callable[[], bytes]) -> SyncResult:
+        """`catch_up_ternary` from where the device stands: `entries` inside a mask epoch,
+        else the published snapshot of `target` that `fetch()` downloads (bytes)."""
+        fetched: list[bytes] = []
+
+        def snapshot() -> dict[str, torch.Tensor]:
+            fetched.append(fetch())
+            return read_snapshot(fetched[-1])
+
+        scope, result = catch_up_ternary(
+            self.model, self.scope if self.version is not None else None, task_id=task_id,
+            version=self.version, target=target, target_checksum=target_checksum,
+            config=self.config, entries=entries, snapshot=snapshot)
+        self.scope, self.version, self.checksum = scope, result.version, result.checksum
+        if result.method == "snapshot":
+            self.snapshot, self.snapshot_version = fetched[-1], target
+            self.snapshot_checksum = target_checksum
+        return result
+
+    def restore(self, *, snapshot: bytes, snapshot_version: int, snapshot_checksum: str,
+                state: bytes | None, version: int, checksum: str) -> None:
+        """Rebuild the stored version: the epoch's snapshot, then the version's latents.
+
+        Raises (and leaves the device needing a snapshot) when the two lie in different mask
+        epochs or either fails its checksum."""
+        if self.config.epoch_of(snapshot_version) != self.config.epoch_of(version) or \
+                snapshot_version > version:
+            raise TernaryDeviceError(f"stored snapshot v{snapshot_version} cannot restore "
+                                     f"v{version} (another mask epoch)")
+        self.forget()
+        self.load_snapshot(snapshot, snapshot_version, snapshot_checksum)
+        self.version = None  # until the latents of `version` verify
+        if version != snapshot_version or checksum != snapshot_checksum:
+            if state is None:
+                raise TernaryDeviceError(f"no stored latents of v{version}")
+            assert self.scope is not None
+            load_state(self.scope, state, checksum)
+        self.version, self.checksum = version, checksum
