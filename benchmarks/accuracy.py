@@ -67,7 +67,8 @@ class FedConfig:
     rounds: int = 300
     per_round: int = 5  # devices sampled per round
     eval_every: int = 50
-    seed: int = 0
+    seed: int = 0  # the split and the partition
+    run_seed: int = 0  # the training randomness: device sampling, batches, perturbation seeds
 
 
 @dataclass
@@ -134,9 +135,9 @@ def fed_zo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: E
     trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
     device_data = [pool.subset(p) for p in parts]
     streams = [train_batches(d, bundle.tokenizer, hyper.batch_size, spec.max_seq_len,
-                             np.random.default_rng([cfg.seed, 2, i]))
+                             np.random.default_rng([cfg.seed, 2, i, cfg.run_seed]))
                for i, d in enumerate(device_data)]
-    rng = np.random.default_rng([cfg.seed, 3])
+    rng = np.random.default_rng([cfg.seed, 3, cfg.run_seed])
     curve = Curve("fed_zo", extra={"scope_numel": bundle.scope.numel,
                                    "upload_bytes_per_device_round": 4 * hyper.steps
                                    * hyper.perturbations})
@@ -176,8 +177,8 @@ def central_zo(models: Models, spec: TaskSpec, pool: Examples, parts: list[np.nd
     trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
     union = pool.subset(np.sort(np.concatenate(parts)))
     stream = train_batches(union, bundle.tokenizer, batch, spec.max_seq_len,
-                           np.random.default_rng([cfg.seed, 4]))
-    rng = np.random.default_rng([cfg.seed, 5])
+                           np.random.default_rng([cfg.seed, 4, cfg.run_seed]))
+    rng = np.random.default_rng([cfg.seed, 5, cfg.run_seed])
     per_step = 2 * hyper.perturbations * batch
     total_steps = max(1, budget // per_step)
     chunk = max(1, total_steps // max(1, cfg.rounds // cfg.eval_every))
@@ -208,9 +209,9 @@ def fedavg_fo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test
     params = [t.tensor for t in scope]
     device_data = [pool.subset(p) for p in parts]
     streams = [train_batches(d, bundle.tokenizer, batch, bundle.spec.max_seq_len,
-                             np.random.default_rng([cfg.seed, 6, i]))
+                             np.random.default_rng([cfg.seed, 6, i, cfg.run_seed]))
                for i, d in enumerate(device_data)]
-    rng = np.random.default_rng([cfg.seed, 7])
+    rng = np.random.default_rng([cfg.seed, 7, cfg.run_seed])
     curve = Curve(f"fedavg_fo_{bundle.spec.scope}", extra={
         "rounds": rounds, "local_steps": local_steps, "lr": lr, "batch_size": batch,
         "scope_numel": scope.numel})
@@ -334,6 +335,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--scope", default=None)
     ap.add_argument("--patterns", default=None, help="comma list for the named scope")
+    ap.add_argument("--scope-options", default=None,
+                    help='JSON scope options, e.g. \'{"layers": ["encoder.layer.5."]}\'')
+    ap.add_argument("--format", default=None, choices=["fp32", "int8", "int4"],
+                    help="shared model format: int8/int4 quantize the encoder's Linear layers")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--eps", type=float, default=None)
     ap.add_argument("--steps", type=int, default=None)
@@ -350,6 +355,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "split (for tuning) instead of the test split")
     ap.add_argument("--fo-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the ZO methods this many times (training seeds 0..R-1, same "
+                         "split) and report mean and sd")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -367,6 +375,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         changes["scope_options"] = {}
     if args.patterns:
         changes["scope_options"] = {"patterns": tuple(args.patterns.split(","))}
+    if args.scope_options:
+        changes["scope_options"] = json.loads(args.scope_options)
+    if args.format:
+        changes["format"] = args.format
     if args.max_len:
         changes["max_seq_len"] = args.max_len
     spec = replace(spec, **changes)
@@ -397,17 +409,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _log(f"zero-shot {zs.final_accuracy:.4f}  probe {probe.final_accuracy:.4f}")
     else:
         curves_ref = []
-    fed = None
-    if "fed_zo" in methods:
-        fed = fed_zo(models.get(spec), pool, parts, test, cfg)
-        curves.append(fed)
-    if "central_zo" in methods:
-        budget = fed.example_forwards if fed else (cfg.rounds * cfg.per_round * hyper.steps
-                                                    * 2 * hyper.perturbations * hyper.batch_size)
-        batches = {"pooled": [cfg.per_round * hyper.batch_size], "device": [hyper.batch_size],
-                   "both": [cfg.per_round * hyper.batch_size, hyper.batch_size]}
-        for b in batches[args.central_batch]:
-            curves.append(central_zo(models, spec, pool, parts, test, cfg, budget, b))
+    repeats: dict[str, list[float]] = {}
+    for run_seed in range(args.repeats):  # the first run's curves are plotted
+        run_cfg = replace(cfg, run_seed=run_seed)
+        zo_curves: list[Curve] = []
+        fed = None
+        if "fed_zo" in methods:
+            fed = fed_zo(models.get(spec), pool, parts, test, run_cfg)
+            zo_curves.append(fed)
+        if "central_zo" in methods:
+            budget = fed.example_forwards if fed else (
+                cfg.rounds * cfg.per_round * hyper.steps * 2 * hyper.perturbations
+                * hyper.batch_size)
+            batches = {"pooled": [cfg.per_round * hyper.batch_size],
+                       "device": [hyper.batch_size],
+                       "both": [cfg.per_round * hyper.batch_size, hyper.batch_size]}
+            for b in batches[args.central_batch]:
+                zo_curves.append(central_zo(models, spec, pool, parts, test, run_cfg, budget, b))
+        for c in zo_curves:
+            repeats.setdefault(c.method, []).append(c.final_accuracy)
+        if run_seed == 0:
+            curves += zo_curves
     if "fedavg_fo" in methods:
         curves.append(fedavg_fo(models.get(spec), pool, parts, test, cfg, args.fo_rounds,
                                 args.fo_steps, args.fo_lr, args.fo_batch))
@@ -419,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "accuracy", "data": str(args.data), "config": asdict(cfg),
         "spec": spec.to_dict(), "torch_threads": torch.get_num_threads(),
         "methods": {c.method: asdict(c) for c in curves_ref + curves},
+        "repeats": {m: {"accuracy": a, "mean": float(np.mean(a)), "sd": float(np.std(a))}
+                    for m, a in repeats.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
@@ -428,6 +452,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for c in curves_ref + curves:
         print(f"{c.method:14s} {c.final_accuracy:8.4f} {c.forwards:11d} {c.example_forwards:11d} "
               f"{c.wall_seconds:8.1f}")
+    if args.repeats > 1:
+        for m, a in repeats.items():
+            print(f"{m:14s} over {len(a)} training seeds: mean {np.mean(a):.4f} "
+                  f"sd {np.std(a):.4f} ({' '.join(f'{x:.3f}' for x in a)})")
     return result
 
 

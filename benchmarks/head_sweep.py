@@ -30,6 +30,8 @@ from accuracy import DEFAULT_DATA, FedConfig, _embed, carve  # noqa: E402
 from seedfed.client import recipes  # noqa: E402
 from seedfed.shared.models import build_model  # noqa: E402
 
+TEST_SPLIT = False  # --test: score the benchmark's test split (only to confirm a choice)
+
 
 @dataclass(frozen=True)
 class Run:
@@ -48,7 +50,7 @@ def features(cache: Path, data: Path, cfg: FedConfig, model: str | None
     """Embeddings of the pool and the validation split, and the partition (cached on disk)."""
     if cache.exists():
         return torch.load(cache, weights_only=False)  # type: ignore[no-any-return]
-    pool, parts, val, _ = carve(data, cfg)
+    pool, parts, val, test = carve(data, cfg)
     bundle = build_model(recipes.sst2_recipe(model).spec, initialize=True)
     with torch.no_grad():
         def embed(ex):  # type: ignore[no-untyped-def]
@@ -56,6 +58,7 @@ def features(cache: Path, data: Path, cfg: FedConfig, model: str | None
         head = bundle.model.classifier  # type: ignore[union-attr]
         out = {"pool_x": embed(pool), "pool_y": torch.as_tensor(pool.labels),
                "val_x": embed(val), "val_y": torch.as_tensor(val.labels), "parts": parts,
+               "test_x": embed(test), "test_y": torch.as_tensor(test.labels),
                "w0": head.weight.detach().clone(), "b0": head.bias.detach().clone()}
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, cache)
@@ -111,7 +114,8 @@ def run(f: dict, r: Run, seed: int, central: bool) -> float:
             g += wgt * (lp - lm) / (2 * r.eps)
             total += wgt
         theta = theta - (lr_at(r, i) / r.perturbations) * (g / total) @ z
-    return accuracy(theta, f["val_x"].double(), f["val_y"])
+    split = "test" if TEST_SPLIT else "val"
+    return accuracy(theta, f[f"{split}_x"].double(), f[f"{split}_y"])
 
 
 def main() -> None:
@@ -128,7 +132,10 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, nargs="+", default=[5])
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--test", action="store_true", help="score the test split, not validation")
     args = ap.parse_args()
+    global TEST_SPLIT
+    TEST_SPLIT = args.test
     f = features(args.cache, args.data, FedConfig(), args.model)
     rows = []
     print(f"{'lr':>5} {'P':>4} {'rounds':>6} {'B':>3} {'schedule':>8} {'K':>3} {'weights':>7} "

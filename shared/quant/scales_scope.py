@@ -59,22 +59,32 @@ def plan_clip(scope_kind: str, clip: float | None) -> float | None:
 @register_scope("scales")
 def build_scales_scope(model: nn.Module, floor: float = DEFAULT_SCALE_FLOOR,
                        include: tuple[str, ...] | list[str] = (),
-                       group_size: int | None = None, bits: int | None = None) -> Scope:
+                       group_size: int | None = None, bits: int | None = None,
+                       layers: tuple[str, ...] | list[str] = ()) -> Scope:
     """`group_size` / `bits`, when a task's scope_options give them, must match the model's
-    quantized layers (both sides derive z's coverage from them, so a mismatch is refused)."""
+    quantized layers (both sides derive z's coverage from them, so a mismatch is refused).
+
+    `layers` (substrings of module paths, e.g. "encoder.layer.5.") restricts training to the
+    scales of the matching layers: the layers below stay frozen, so a device can cache their
+    output and each probe runs only the top of the model (`frozen_prefix_depth`)."""
     if not (math.isfinite(floor) and floor > 0):
         raise ScopeError(f"scope 'scales': floor must be positive and finite, got {floor}")
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    if not layers:
+    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not quantized:
         raise ScopeError(
             f"scope 'scales': {type(model).__name__} has no quantized layers; quantize it "
             "first (seedfed.shared.quant.quantize_model, format int8/int4)")
     for want, attr in ((group_size, "group_size"), (bits, "bits")):
-        bad = [n for n, m in layers if want is not None and getattr(m, attr) != want]
+        bad = [n for n, m in quantized if want is not None and getattr(m, attr) != want]
         if bad:
             raise ScopeError(f"scope 'scales': task asks {attr}={want} but layer {bad[0]} has "
-                             f"{attr}={getattr(dict(layers)[bad[0]], attr)}")
-    chosen = [ScopedTensor(f"{n}.scales" if n else "scales", m.scales) for n, m in layers]
+                             f"{attr}={getattr(dict(quantized)[bad[0]], attr)}")
+    if layers:
+        quantized = [(n, m) for n, m in quantized if any(p in n for p in layers)]
+        if not quantized:
+            raise ScopeError(f"scope 'scales': no quantized layer path contains any of "
+                             f"{list(layers)}")
+    chosen = [ScopedTensor(f"{n}.scales" if n else "scales", m.scales) for n, m in quantized]
     if include:
         extra = [ScopedTensor(n, p) for n, p in model.named_parameters(remove_duplicate=True)
                  if any(s in n for s in include) and not n.endswith(".scales")]

@@ -51,6 +51,18 @@ def test_include_adds_named_float_parameters(tiny_llama_config: LlamaConfig) -> 
     assert "lm_head.weight" in scope.names
 
 
+def test_layers_restricts_the_scales_to_matching_modules(tiny_llama_config: LlamaConfig,
+                                                         ) -> None:
+    model = build_quantized(tiny_llama_config, QUANT)
+
+    scope = build_scope("scales", model, layers=("layers.1.",))
+
+    top = [n for n, _ in quant_layers(model) if "layers.1." in n]
+    assert top and scope.names == sorted(f"{n}.scales" for n in top)
+    with pytest.raises(ScopeError, match="no quantized layer path contains"):
+        build_scope("scales", model, layers=("nowhere",))
+
+
 def test_scope_on_an_unquantized_model_is_refused() -> None:
     with pytest.raises(ScopeError, match="no quantized layers"):
         build_scope("scales", nn.Sequential(nn.Linear(4, 4)))
