@@ -100,3 +100,13 @@ def _char_tokenizer() -> object:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")
+
+
+class FakeGrid:
+    """The one call the seedfed strategy makes of a Flower Grid (in-process tests)."""
+
+    def __init__(self, nodes: tuple[int, ...]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)

@@ -21,22 +21,12 @@ from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStra
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
+from tests.fleet_helpers import FakeGrid
+
 NODES = (11, 22)
 STEPS, PERTURBATIONS = 3, 2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class FakeGrid:
-    """The two calls the strategy makes of a Grid."""
-
-    def __init__(self, nodes: tuple[int, ...]) -> None:
-        self.nodes = nodes
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.nodes)
-
-
 
 
 @pytest.fixture

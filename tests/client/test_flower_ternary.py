@@ -23,20 +23,12 @@ from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStra
 from seedfed.server.settings import Settings
 from seedfed.shared.ternary import bitlinear_modules
 
-from tests.fleet_helpers import ternary_spec
+from tests.fleet_helpers import FakeGrid, ternary_spec
 
 NODES = (11, 22)
 EPOCH_ROUNDS = 2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class FakeGrid:
-    def __init__(self, nodes: tuple[int, ...]) -> None:
-        self.nodes = nodes
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.nodes)
 
 
 @pytest.fixture
