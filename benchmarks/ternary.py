@@ -441,6 +441,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "curves", "memory"), default="all")
     parser.add_argument("--fractions", default="0.01,0.02",
                         help="mask fractions of the memory points (comma separated)")
+    parser.add_argument("--curve-fraction", type=float, default=CurveSetup.fraction,
+                        help="mask fraction of the loss curves")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG next to it)")
     args = parser.parse_args()
@@ -471,7 +473,7 @@ def main() -> None:
     if args.part in ("all", "curves"):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a tiny model: threads only add overhead
-        setup = CurveSetup()
+        setup = CurveSetup(fraction=args.curve_fraction)
         if args.quick:
             setup = replace(setup, pretrain_steps=80, zo_steps=100, eval_every=20, seeds=(0,))
         report["curves"] = run_curves(setup)
