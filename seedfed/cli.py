@@ -62,6 +62,9 @@ def coordinator(
     production: bool = typer.Option(None, "--production/--development"),
     tls_certfile: str = typer.Option(None, "--tls-cert"),
     tls_keyfile: str = typer.Option(None, "--tls-key"),
+    keep_versions: int = typer.Option(None, "--keep-versions",
+                                      help="model store versions kept per task besides v0; "
+                                      "older ones are pruned (0: keep all; default 20)"),
 ) -> None:
     """Run the coordinator (REST API, dashboard, metrics) under uvicorn."""
     from seedfed.server.serve import serve
@@ -69,7 +72,7 @@ def coordinator(
 
     given = {"database_url": db, "store_dir": store, "admin_token": admin_token, "host": host,
              "port": port, "production": production, "tls_certfile": tls_certfile,
-             "tls_keyfile": tls_keyfile}
+             "tls_keyfile": tls_keyfile, "keep_versions": keep_versions}
     try:
         settings = load_settings(config, **{k: v for k, v in given.items() if v is not None})
     except (ValueError, FileNotFoundError) as e:

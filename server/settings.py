@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     upload_fast_path: bool = True
     #: Seconds uvicorn keeps an idle keep-alive connection (devices poll, then upload).
     keep_alive_s: float = Field(default=30.0, gt=0)
+    #: Model store versions kept per task besides version 0: after the commit of version v the
+    #: files of version v - keep_versions are deleted (0 keeps every version). The log is kept.
+    keep_versions: int = 20
     run_migrations: bool = True
     echo_sql: bool = False
 
@@ -75,6 +78,13 @@ class Settings(BaseSettings):
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("TLS needs both tls_certfile and tls_keyfile")
         return self
+
+    @field_validator("keep_versions")
+    @classmethod
+    def _keep_versions(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"keep_versions must be >= 0 (0 keeps every version), got {value}")
+        return value
 
     _generated_token: bool = PrivateAttr(default=False)
 

@@ -9,12 +9,20 @@ from seedfed.shared.wire import LogEntryWire
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..errors import InvalidUploadError
+from ..errors import InvalidUploadError, NotFoundError, StoreError
 from ..orm import DeviceRow, RoundRow, UploadRow, VersionRow
 from ..runtime import Runtime
 from ..schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
 from .rounds import wire_of
-from .tasks import devices_seen, dp_epsilon, get_task, get_version, mask_epoch_of, spec_of
+from .tasks import (
+    devices_seen,
+    dp_epsilon,
+    get_task,
+    get_version,
+    mask_epoch_of,
+    pruned_through,
+    spec_of,
+)
 
 #: Defaults of the catch-up cost model, for a modest device (a Raspberry Pi 4 on Wi-Fi).
 DEFAULT_BANDWIDTH = 2e6  # bytes/s
@@ -53,15 +61,56 @@ def snapshot_info(session: Session, *, task_id: str, version: int,
     return row.snapshot_path, row.snapshot_sha256, row.checksum, row.snapshot_bytes, task.format
 
 
+def unavailable_snapshot(rt: Runtime, *, task_id: str, version: int,
+                         path: str) -> NotFoundError | None:
+    """Why the store file `path` of `version` cannot be read, as a 404 for the device: None
+    when the file is there (the failure was something else) or when the version is one the
+    store must hold (0 and the current one: their loss is a StoreError, a 500)."""
+    if rt.store.exists(path):
+        return None
+    with rt.transaction() as s:  # fresh: a close may have committed since the row was read
+        current = get_task(s, task_id=task_id).current_version
+    if version in (0, current):
+        return None
+    keep = rt.settings.keep_versions
+    advice = (f"download version {current} (the current one) or replay the log from a "
+              "version you hold")
+    if 0 < version <= pruned_through(current, keep):
+        return NotFoundError(f"task {task_id!r} v{version}: its snapshot was pruned from the "
+                             f"model store (keep_versions={keep} keeps version 0 and the last "
+                             f"{keep}); {advice}")
+    return NotFoundError(f"task {task_id!r} v{version}: its snapshot is no longer in the model "
+                         f"store (pruned under an earlier, smaller keep_versions, or lost; "
+                         f"keep_versions={keep}); {advice}")
+
+
 def snapshot_bytes(rt: Runtime, *, task_id: str, version: int,
                    fmt: str | None = None) -> tuple[bytes, str]:
     with rt.transaction() as s:
         path, sha, chk, _, _ = snapshot_info(s, task_id=task_id, version=version, fmt=fmt)
-    return rt.store.read_bytes(path, sha), chk
+    try:
+        return rt.store.read_bytes(path, sha), chk
+    except StoreError as e:
+        gone = unavailable_snapshot(rt, task_id=task_id, version=version, path=path)
+        if gone is None:
+            raise
+        raise gone from e
 
 
-def snapshot_stream(rt: Runtime, path: str) -> Iterator[bytes]:
-    yield from rt.store.iter_file(path)
+def open_snapshot(rt: Runtime, session: Session, *, task_id: str, version: int,
+                  fmt: str | None = None,
+                  ) -> tuple[tuple[str, str, str, int, str], Iterator[bytes]]:
+    """`snapshot_info` and the file's chunks, opened now: a missing file is an error before
+    any byte is sent (a pruned version's NotFoundError), and a prune after this call does
+    not cut the stream."""
+    info = snapshot_info(session, task_id=task_id, version=version, fmt=fmt)
+    try:
+        return info, rt.store.iter_file(info[0])
+    except StoreError as e:
+        gone = unavailable_snapshot(rt, task_id=task_id, version=version, path=info[0])
+        if gone is None:
+            raise
+        raise gone from e
 
 
 def catchup_plan(session: Session, *, task_id: str, from_version: int,
@@ -71,7 +120,8 @@ def catchup_plan(session: Session, *, task_id: str, from_version: int,
 
     Download, whatever the rates, when (from, to] holds a mask epoch start (a ternary task):
     the new masks select latents a device's packed model does not hold, so replay cannot
-    reach the target's state."""
+    reach the target's state. A download is always of the current version, whose files are
+    never pruned (`keep_versions`), and the log it replays is never pruned either."""
     if bandwidth <= 0 or regen_rate <= 0:
         raise InvalidUploadError(f"bandwidth ({bandwidth}) and regen_rate ({regen_rate}) must "
                                  "be positive")

@@ -4,7 +4,9 @@ Closing is two units of work around the file writes: (1) mark the round `aggrega
 (uploads stop), (2) after the new master and snapshot files are on disk, insert the version
 row (log entry + checksum), close the round and move the task's version in one commit. A
 crash before (2) leaves the round `aggregating`; `recover` recomputes the same entry (seeds,
-noise and uploads all come from stored rows) and finishes it.
+noise and uploads all come from stored rows) and finishes it. After (2), the files of the
+version `keep_versions` behind are deleted (`prune_versions`); a crash before that leaves them
+for the next prune, which lists the task's store directories.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from ..aggregation import apply_entry, combine, draw_seeds
 from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
 from ..orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
 from ..runtime import Runtime
-from .tasks import get_task, load_master, mask_epoch_of, spec_of, write_version_files
+from .tasks import (
+    get_task,
+    load_master,
+    mask_epoch_of,
+    prune_versions,
+    spec_of,
+    write_version_files,
+)
 
 
 def entry_of(row: VersionRow, task_id: str) -> LogEntry:
@@ -205,6 +214,8 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
                 rt.drop_master(task_id)
                 raise
             master.version = base + 1
+        # Version base + 1 is committed: only now may the files it made unneeded go.
+        prune_versions(rt, task_id=task_id, version=base + 1)
     rt.upload_counts.pop(round_id, None)
     rt.metrics.rounds_closed.inc()
     rt.metrics.aggregation_seconds.observe(time.perf_counter() - started)

@@ -76,6 +76,20 @@ def write_version_files(rt: Runtime, *, task_id: str, version: int, spec: TaskSp
     return fp32, snap
 
 
+def pruned_through(current: int, keep: int) -> int:
+    """The highest version whose files are pruned once version `current` is committed with
+    `keep_versions = keep` (0: none). Version 0 and the last `keep` versions are kept."""
+    return max(current - keep, 0) if keep > 0 else 0
+
+
+def prune_versions(rt: Runtime, *, task_id: str, version: int) -> list[str]:
+    """After the commit of `version` (never before it): delete the model store files of the
+    versions `keep_versions` behind it and of any older one a crash left (not version 0).
+    Returns the removed paths; the version rows and their log entries stay."""
+    through = pruned_through(version, rt.settings.keep_versions)
+    return rt.store.prune(task_id, through=through) if through > 0 else []
+
+
 def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | None = None,
                 quorum: int = 1, round_timeout_s: float = 600.0,
                 devices_per_round: int | None = None) -> tuple[str, str, int, str]:

@@ -33,10 +33,11 @@ def snapshot(task_id: str, version: int, session: SessionDep, rt: RuntimeDep, _:
              format: Annotated[str | None, Query(description="fp32 (default) or the task's "
                                                              "published format")] = None,
              ) -> StreamingResponse:
-    """The trainable state of a version as safetensors (fp32 master by default), streamed."""
-    path, sha, chk, size, fmt = service.snapshot_info(session, task_id=task_id,
-                                                      version=version, fmt=format)
-    stream = rt.store.iter_file(path)
+    """The trainable state of a version as safetensors (fp32 master by default), streamed.
+    404 for a version whose files were pruned (`keep_versions`): take the current one or
+    replay the log."""
+    (_path, sha, chk, size, fmt), stream = service.open_snapshot(
+        rt, session, task_id=task_id, version=version, fmt=format)
     rt.metrics.bytes_out.labels("snapshot").inc(size)
     return StreamingResponse(stream, media_type="application/octet-stream", headers={
         "Content-Length": str(size), "X-Seedfed-Checksum": chk, "X-Seedfed-SHA256": sha,
