@@ -56,7 +56,7 @@ def sst2_recipe(model_path: str | None = None) -> Recipe:
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=SST2_LABEL_TEXTS, scope=HEAD_SCOPE,
                     scope_options=dict(HEAD_OPTIONS), hyper=SST2_HYPER, max_seq_len=64)
-    return Recipe(spec=spec, rounds=150, per_round=20, devices=20)
+    return Recipe(spec=spec, rounds=300, per_round=20, devices=20)
 
 
 def default_sst2_spec(model_path: str | None = None) -> TaskSpec:
