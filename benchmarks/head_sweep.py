@@ -122,7 +122,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--cache", type=Path, default=Path("runs/head_sweep_features.pt"))
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="feature cache (default runs/head_sweep_features_<pool>.pt)")
+    ap.add_argument("--train-pool", type=int, default=FedConfig.train_pool)
     ap.add_argument("--lr", type=float, nargs="+", default=[1.5])
     ap.add_argument("--perturbations", type=int, nargs="+", default=[64])
     ap.add_argument("--rounds", type=int, nargs="+", default=[600])
@@ -136,7 +138,8 @@ def main() -> None:
     args = ap.parse_args()
     global TEST_SPLIT
     TEST_SPLIT = args.test
-    f = features(args.cache, args.data, FedConfig(), args.model)
+    cache = args.cache or Path(f"runs/head_sweep_features_{args.train_pool}.pt")
+    f = features(cache, args.data, FedConfig(train_pool=args.train_pool), args.model)
     rows = []
     print(f"{'lr':>5} {'P':>4} {'rounds':>6} {'B':>3} {'schedule':>8} {'K':>3} {'weights':>7} "
           f"{'fed mean':>9} {'sd':>6} {'central':>8}")
