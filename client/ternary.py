@@ -1,10 +1,14 @@
 """A device on a ternary (TerMeZO) task: the packed model, its sync and what a restart needs.
 
 Both device front ends (Flower ClientApp and plain HTTP) use this. A ternary device never
-holds the fp32 model: it builds the task's model from the TaskSpec (Linear -> BitLinear),
-packs every layer without latents, and takes codes, gammas, masks and masked latents from the
-coordinator's published ternary snapshot (`?format=ternary`, never the fp32 master file,
-which for ternary holds every latent). z covers the masked latents only.
+holds the fp32 model, not even while it starts: `shared.ternary.build_packed_model` builds the
+task's model from its config with the ternary layers (those the coordinator converts, Linear
+-> BitLinear) as empty packed modules and reads only the other tensors (embeddings, norms, LM
+head) from the base model's safetensors; codes, gammas, masks and masked latents then come from
+the coordinator's published ternary snapshot (`?format=ternary`, never the fp32 master file,
+which for ternary holds every latent). Until the first snapshot loads the model holds no codes
+and must not run (`bundle` and `trainer` refuse; a forward raises). z covers the masked
+latents only. Causal LMs only: a `seq_cls` ternary task is refused at TaskSpec validation.
 
 Sync is `client.sync.catch_up_ternary`: replay inside a mask epoch, the published snapshot of
 the target across an epoch start (checksum verified either way).
@@ -26,18 +30,19 @@ model's size (about 2 bits per weight plus the mask), the same as what the devic
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from seedfed.client.sync import SyncResult, catch_up_ternary, load_state, read_snapshot
 from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, classification_loss
 from seedfed.shared.errors import SeedfedError
-from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.models import ModelBundle, load_tokenizer, set_pad_token_id
 from seedfed.shared.replay import LogEntry
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.ternary import (
     MaskConfig,
     TernaryScope,
-    bitlinear_modules,
+    build_packed_model,
     load_published_ternary,
     mask_config,
 )
@@ -62,21 +67,27 @@ def loss_for(spec: TaskSpec) -> LossOnBatch:
 class PackedTernary:
     """A ternary task's model held packed on a device, and the version it stands at.
 
-    `scope` is None until the first snapshot is loaded (a fresh model holds no latents). A
-    snapshot rebuilds the layers and so replaces the scope; `trainer` follows it.
+    `scope` is None until the first snapshot is loaded: a fresh model's BitLinear layers hold
+    no codes, gamma or latents, so `bundle` and `trainer` refuse until then and `model` must
+    not be run. A snapshot rebuilds the layers and so replaces the scope; `trainer` follows it.
     """
 
     def __init__(self, spec: TaskSpec) -> None:
         if not is_ternary(spec):
             raise ValueError(f"task scope is {spec.scope!r}, not 'ternary'")
-        bundle = build_model(spec, initialize=False)
-        if bundle.tokenizer is None:
+        if spec.model_kind != "causal_lm":  # TaskSpec refuses it too
+            raise TernaryDeviceError(f"a ternary device holds causal LMs only, not "
+                                     f"{spec.model_kind!r}")
+        tokenizer = load_tokenizer(Path(spec.model_path))
+        if tokenizer is None:
             raise TernaryDeviceError(f"{spec.model_path} has no tokenizer; a device needs one "
                                      "to turn its texts into tokens")
-        for _, m in bitlinear_modules(bundle.model):
-            m.to_packed(keep_latents=False)
-        # bundle.scope still references the fp32 latents just dropped: let it go with them.
-        self.model, self.tokenizer, self.spec = bundle.model, bundle.tokenizer, spec
+        # The layers the coordinator's scope converts, with its act_bits, as empty packed
+        # BitLinear modules; no fp32 ternary matrix is ever read.
+        self.model = build_packed_model(spec.model_path,
+                                        act_bits=spec.scope_options.get("act_bits", 8))
+        set_pad_token_id(self.model, tokenizer)
+        self.tokenizer, self.spec = tokenizer, spec
         self.config: MaskConfig = mask_config(spec.scope_options)
         self.loss = loss_for(spec)
         self.scope: TernaryScope | None = None

@@ -244,13 +244,12 @@ def load_base(spec: TaskSpec) -> tuple[nn.Module, Any]:
         AutoModel,
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
-        AutoTokenizer,
     )
 
     path = Path(spec.model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    tokenizer = load_tokenizer(path)
     pooling = sentence_pooling(path) if spec.model_kind == "seq_cls" else None
     model: nn.Module
     with _quiet_loading():
@@ -263,13 +262,26 @@ def load_base(spec: TaskSpec) -> tuple[nn.Module, Any]:
                 path, num_labels=spec.num_labels, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    set_pad_token_id(model, tokenizer)
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The directory's tokenizer (None if it has none), with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
     if tokenizer is not None and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def set_pad_token_id(model: nn.Module, tokenizer: Any) -> None:
+    """Give the model's config the tokenizer's pad id when it names none."""
     config = getattr(model, "config", None)
     if tokenizer is not None and config is not None and getattr(config, "pad_token_id",
                                                                 None) is None:
         config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
 
 
 @contextmanager

@@ -80,6 +80,12 @@ class TaskSpec:
             raise ValueError(f"num_labels must be >= 2, got {self.num_labels}")
         if self.label_texts and len(self.label_texts) != self.num_labels:
             raise ValueError(f"{len(self.label_texts)} label texts for {self.num_labels} labels")
+        if self.scope == "ternary" and self.model_kind != "causal_lm":
+            # A ternary device builds its packed model from a causal LM's config and weights
+            # (`shared.ternary.build_packed_model`); a classifier's head would need the fp32
+            # model's forward on the label texts.
+            raise ValueError("scope 'ternary' supports model_kind 'causal_lm' only, got "
+                             f"{self.model_kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

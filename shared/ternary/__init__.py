@@ -5,7 +5,7 @@ Importing this package registers the `ternary` scope with `seedfed.shared.scopes
 
 from . import scope as _scope  # noqa: F401  (registers the "ternary" scope)
 from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear, from_hf_bitlinear
-from .device import load_published_ternary, published_state
+from .device import build_packed_model, load_published_ternary, published_state
 from .errors import TernaryChecksumError, TernaryFormatError
 from .io import read_tensors, tensors_checksum, write_tensors
 from .mask import (
@@ -45,7 +45,8 @@ from .snapshot import (
 __all__ = [
     "CODE_MAP", "EPOCH_KEY", "FORMAT", "GAMMA_FLOOR", "SELECTIONS", "WEIGHTS_FILE", "BitLinear",
     "MaskConfig", "TernaryChecksumError", "TernaryFormatError", "TernaryScope",
-    "absmean_gamma", "exact_abs_sum", "bitlinear_modules", "build_ternary_scope", "choose_mask",
+    "absmean_gamma", "exact_abs_sum", "bitlinear_modules", "build_packed_model",
+    "build_ternary_scope", "choose_mask",
     "convert_to_bitlinear", "crosses_epoch", "from_hf_bitlinear", "invalid_code_count",
     "layer_tensors", "load_published_ternary", "load_ternary_model", "mask_config", "mask_size",
     "pack_ternary", "packed_size", "publish_ternary", "published_state",

@@ -136,7 +136,9 @@ class BitLinear(nn.Module):
         n_in = self.in_features
         if self.weight is not None:
             return ternarize(self.weight[r0:r1], self.gamma).to(dtype)
-        assert self.packed is not None, "BitLinear holds neither latents nor packed codes"
+        if self.packed is None:
+            raise ScopeError("this BitLinear holds neither latents nor packed codes (a device's "
+                             "layer before its first snapshot): load a snapshot first")
         start, stop = r0 * n_in, r1 * n_in
         b0, b1 = start // 4, -(-stop // 4)
         w = unpack_ternary(self.packed[b0:b1], 4 * (b1 - b0), dtype)[start - 4 * b0:stop - 4 * b0]

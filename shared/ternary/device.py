@@ -7,6 +7,13 @@ the task's model from its TaskSpec (Linear -> BitLinear), may pack it at once, a
 everything ternary from a snapshot: at join time, and again at every mask epoch start, because
 its packed form holds only the latents the old mask selected.
 
+`build_packed_model` builds that model without the fp32 model: the skeleton from the config on
+the meta device, the layers `convert_to_bitlinear` would convert as empty packed BitLinear
+modules (no codes until the first snapshot fills them), and every other tensor (embeddings,
+norms, LM head) read alone from the base model's safetensors file(s). The fp32 matrices of the
+ternary layers are never read, so a device's peak memory is the packed model's, not the
+checkpoint's.
+
 `load_published_ternary` checks the whole snapshot (layer set, codes, mask order, and the
 version's checksum, computed from the snapshot's own latents) before any layer changes, so a
 refused snapshot leaves the device's model as it was.
@@ -14,20 +21,96 @@ refused snapshot leaves the device's model as it was.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..replay import state_checksum
-from .bitlinear import BitLinear, bitlinear_modules
+from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
 from .errors import TernaryChecksumError, TernaryFormatError
 from .mask import MaskConfig
 from .scope import TernaryScope, _scope
-from .snapshot import _LAYER_PARTS, _fill_layer
+from .snapshot import _LAYER_PARTS, _assign_rest, _fill_layer, empty_init
 
 #: What the error messages call a snapshot that did not come from a file.
 SOURCE = "published ternary snapshot"
+#: A Hugging Face directory's weights: one file, or shards listed by the index.
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
+                       skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """A causal LM's device model, built from its Hugging Face directory without its fp32
+    ternary matrices.
+
+    The layers `convert_to_bitlinear(model, skip, act_bits)` converts become empty packed
+    BitLinear modules: they hold no codes, gamma or latents until `load_published_ternary`
+    fills them (a forward before that raises). Everything else comes from `model_path`'s
+    safetensors weights, floats as float32 (what `AutoModelForCausalLM.from_pretrained(...,
+    dtype=torch.float32)` gives), tied weights tied; buffers no file holds keep the values
+    the model computes at construction.
+    """
+    import transformers
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    with empty_init(keep_buffers=True):
+        model: nn.Module = transformers.AutoModelForCausalLM.from_config(config,
+                                                                         dtype=torch.float32)
+    # The same layer set as the coordinator's conversion (on meta: no latents, no gamma).
+    for name in convert_to_bitlinear(model, skip=skip, act_bits=act_bits):
+        old = model.get_submodule(name)
+        assert isinstance(old, BitLinear)
+        model.set_submodule(name, BitLinear(old.in_features, old.out_features,
+                                            bias=old.bias is not None, act_bits=act_bits))
+    layers = {n for n, _ in bitlinear_modules(model)}
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    wanted = {n for n, _ in named if n.rpartition(".")[0] not in layers}
+    _assign_rest(model, _read_base_tensors(path, wanted), path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _read_base_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `wanted` that `path`'s safetensors weights hold (floats as float32),
+    read one at a time: nothing else of the file is loaded."""
+    from safetensors import safe_open
+
+    index = path / SAFETENSORS_INDEX
+    if (path / SAFETENSORS_FILE).is_file():
+        files: dict[str, list[str] | None] = {SAFETENSORS_FILE: None}
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = {}
+            for key, file in weight_map.items():
+                if key in wanted:
+                    files.setdefault(str(file), []).append(str(key))  # type: ignore[union-attr]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise TernaryFormatError(f"{index}: not a valid safetensors index: {e}") from e
+    else:
+        raise TernaryFormatError(
+            f"{path} holds no {SAFETENSORS_FILE} (nor a sharded {SAFETENSORS_INDEX}): a ternary "
+            "device reads the base model's non-ternary tensors from safetensors only; convert "
+            "the checkpoint (save_pretrained writes safetensors)")
+    out: dict[str, torch.Tensor] = {}
+    for file, keys in files.items():
+        f: Any
+        with safe_open(str(path / file), framework="pt", device="cpu") as f:
+            for key in (keys if keys is not None else f.keys()):
+                if key in wanted:
+                    t = f.get_tensor(key)
+                    out[key] = t.float() if t.is_floating_point() else t
+    return out
 
 
 def published_state(tensors: Mapping[str, torch.Tensor],

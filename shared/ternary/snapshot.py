@@ -19,7 +19,8 @@ of the ternary matrices, and can skip the latents (`with_latents=False`: inferen
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,36 @@ def _skeleton(directory: Path, meta: Mapping[str, str], model_cls: Any) -> nn.Mo
         if model_cls is None:
             raise TernaryFormatError(f"{directory}: unknown architecture "
                                      f"{meta.get('architecture')!r}; pass model_cls=")
-    with torch.device("meta"):
+    with empty_init():
         return model_cls(config)  # type: ignore[no-any-return]
+
+
+@contextmanager
+def empty_init(*, keep_buffers: bool = False) -> Iterator[None]:
+    """Build modules without memory for their parameters: everything on the meta device, or
+    with `keep_buffers` the parameters only, so buffers computed at construction (a rotary
+    embedding's `inv_freq`, which no weights file holds) keep their values.
+
+    `keep_buffers` swaps `nn.Module.register_parameter` for the duration (as accelerate's
+    `init_empty_weights(include_buffers=False)` does): build nothing in another thread
+    meanwhile. A parameter created on the CPU first is moved to meta as it registers, before
+    any initializer writes it, so its pages are never touched."""
+    if not keep_buffers:
+        with torch.device("meta"):
+            yield
+        return
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _assign_rest(model: nn.Module, tensors: Mapping[str, torch.Tensor], where: Path) -> None:
