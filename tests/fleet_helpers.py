@@ -7,7 +7,9 @@ machinery (catch-up, wire, coordinator) rather than a real model's forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,3 +112,21 @@ class FakeGrid:
 
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
+
+
+def deliver(app: Any, contexts: dict[int, Any], messages: list[Any],
+            before_each: Callable[[], None] | None = None) -> list[Any]:
+    """Run a ClientApp on each message (in process); an exception becomes an error reply, as
+    Flower's runtime does. `before_each` runs first for every message (e.g. a fresh process)."""
+    from flwr.app import Error, Message
+
+    replies = []
+    for m in messages:
+        if before_each is not None:
+            before_each()
+        try:
+            replies.append(app(m, contexts[m.metadata.dst_node_id]))
+        except Exception as e:  # noqa: BLE001 - mirrors Flower's catch-all
+            replies.append(Message(Error(code=0, reason=f"{type(e).__name__}: {e}"),
+                                   reply_to=m))
+    return replies

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client.device_data import DeviceData
 from seedfed.client.flower_app import RECORD, STATE, make_client_app
@@ -21,7 +21,7 @@ from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStra
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
-from tests.fleet_helpers import FakeGrid
+from tests.fleet_helpers import FakeGrid, deliver
 
 NODES = (11, 22)
 STEPS, PERTURBATIONS = 3, 2
@@ -51,16 +51,7 @@ def fleet(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
 
 
 def _deliver(f: dict, messages: list[Message]) -> list[Message]:
-    """Run the ClientApp on each message; an exception becomes an error reply, as Flower's
-    runtime does."""
-    replies = []
-    for m in messages:
-        try:
-            replies.append(f["app"](m, f["contexts"][m.metadata.dst_node_id]))
-        except Exception as e:  # noqa: BLE001 - mirrors Flower's catch-all
-            replies.append(Message(Error(code=0, reason=f"{type(e).__name__}: {e}"),
-                                   reply_to=m))
-    return replies
+    return deliver(f["app"], f["contexts"], messages)
 
 
 def _round(f: dict, r: int) -> tuple[RoundRecord, list[Message], list[Message]]:

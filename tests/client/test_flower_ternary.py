@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client import flower_app
 from seedfed.client.device_data import DeviceData
@@ -23,7 +23,7 @@ from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStra
 from seedfed.server.settings import Settings
 from seedfed.shared.ternary import bitlinear_modules
 
-from tests.fleet_helpers import FakeGrid, ternary_spec
+from tests.fleet_helpers import FakeGrid, deliver, ternary_spec
 
 NODES = (11, 22)
 EPOCH_ROUNDS = 2
@@ -51,16 +51,10 @@ def fleet(tiny_llama: Path, fleet_assets: tuple[Path, Path], tmp_path: Path,
 
 
 def _deliver(f: dict, messages: list[Message], fresh_process: bool) -> list[Message]:
-    replies = []
-    for m in messages:
-        if fresh_process:  # a SuperNode starts a new flwr-clientapp process per message
-            f["monkeypatch"].setattr(flower_app, "RUNTIME", DeviceRuntime())
-        try:
-            replies.append(f["app"](m, f["contexts"][m.metadata.dst_node_id]))
-        except Exception as e:  # noqa: BLE001 - mirrors Flower's catch-all
-            replies.append(Message(Error(code=0, reason=f"{type(e).__name__}: {e}"),
-                                   reply_to=m))
-    return replies
+    def fresh() -> None:  # a SuperNode starts a new flwr-clientapp process per message
+        f["monkeypatch"].setattr(flower_app, "RUNTIME", DeviceRuntime())
+
+    return deliver(f["app"], f["contexts"], messages, fresh if fresh_process else None)
 
 
 def _round(f: dict, r: int, fresh_process: bool = False,
