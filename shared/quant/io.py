@@ -19,7 +19,6 @@ codes travel once).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..tensorfile import model_tensors, tensors_checksum
 from .errors import QuantChecksumError, QuantFileError
 from .linear import QuantLinear
 from .model import _set_submodule, materialize_rest, quant_layers
@@ -38,30 +38,6 @@ FORMAT = "seedfed-quant"
 FORMAT_VERSION = "1"
 WEIGHTS_FILE = "quantized.safetensors"
 SCALES_FORMAT = "seedfed-scales"
-
-
-def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 of named tensors (see the module docstring for the byte layout)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer once (tied tensors under their first name), contiguous."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = t.detach().contiguous()
-    return out
 
 
 def save_quantized(model: nn.Module, directory: str | Path) -> Path:

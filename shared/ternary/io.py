@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..tensorfile import checksum_prefix, tensors_checksum
 from .errors import TernaryChecksumError, TernaryFormatError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -35,24 +36,6 @@ _DTYPES: dict[str, torch.dtype] = {
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 #: Read size when verifying a tensor the caller does not keep.
 SKIP_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _prefix(name: str, dtype: torch.dtype, shape: list[int]) -> bytes:
-    return f"{name}\0{_dtype_name(dtype)}\0{list(shape)}\0".encode()
-
-
-def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 of named tensors (byte layout in the module docstring)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        h.update(_prefix(name, t.dtype, list(t.shape)))
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor],
@@ -111,7 +94,7 @@ def read_tensors(path: str | Path, *, expected_format: str,
         scratch = bytearray(SKIP_CHUNK_BYTES)  # one reused buffer to verify skipped tensors
         for name, dtype, shape, start, nbytes in sorted(plan):
             f.seek(base + start)
-            h.update(_prefix(name, dtype, shape))
+            h.update(checksum_prefix(name, dtype, shape))
             if keep is not None and not keep(name):
                 _hash_skipped(f, h, scratch, nbytes, path, name)
                 continue

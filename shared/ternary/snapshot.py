@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..scopes import Scope
+from ..tensorfile import model_tensors
 from .bitlinear import BitLinear, bitlinear_modules
 from .errors import TernaryFormatError
 from .io import read_tensors, write_tensors
@@ -83,19 +84,6 @@ def publish_ternary(state: Mapping[str, torch.Tensor], scope: Scope | None,
     return out
 
 
-def _other_tensors(model: nn.Module, skip_prefixes: set[str]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        if name.rpartition(".")[0] in skip_prefixes or id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = t.detach().contiguous()
-    return out
-
-
 def save_ternary_model(model: nn.Module, directory: str | Path, *, with_latents: bool = True,
                        mask_config: MaskConfig | None = None) -> Path:
     """Write a BitLinear model as a packed-ternary snapshot; returns the weights file."""
@@ -110,7 +98,7 @@ def save_ternary_model(model: nn.Module, directory: str | Path, *, with_latents:
     tensors: dict[str, torch.Tensor] = {}
     for name, m in layers:
         tensors.update(layer_tensors(name, m, with_latents))
-    tensors.update(_other_tensors(model, {n for n, _ in layers}))
+    tensors.update(model_tensors(model, skip_modules={n for n, _ in layers}))
     epochs = {m.mask_epoch for _, m in layers}
     meta = {
         "format": FORMAT,
