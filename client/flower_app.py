@@ -1,18 +1,9 @@
 """The device as a Flower ClientApp (Message API): catch up, train on private data, reply scalars.
 
-Wire contract with the ServerApp strategy (`seedfed.server.flower_strategy`), one ConfigRecord
-under the key "seedfed" in each direction:
-
-- TRAIN message: `plan` (RoundPlan JSON); `entries` (JSON list of LogEntryWire) to catch up from
-  the device's last known version, or `snapshot` (safetensors bytes) with `snapshot-version`,
-  `snapshot-checksum` and `snapshot-format` ("fp32" trainable state, or "ternary": the
-  published packed snapshot, which is what a ternary task's devices get); `task` (TaskSpec
-  JSON) only when the device is new or re-syncing.
-- TRAIN reply: `g` (the scalar matrix, `shared.wire.pack_binary`), `n` (example count), `loss`.
-  Nothing else leaves the device.
-- EVALUATE message ("sync"): the same catch-up keys plus `version` and `checksum` of the target.
-- EVALUATE reply: `version` and `checksum` the device now holds, and a MetricRecord with its
-  local held-out `accuracy`, `loss` and `num-examples`.
+The messages are `seedfed.shared.records` (TrainIns / TrainRes, SyncIns / SyncRes), the
+classes the ServerApp strategy (`seedfed.server.flower_strategy`) writes and reads. The device
+itself (model, catch-up, training, scoring) is `client.device.Device`; this module is its
+Flower transport and its state store in the node's Context.
 
 A device that cannot reach the target (gap in the log, checksum mismatch) raises; Flower turns
 that into an error reply and the strategy sends it a snapshot next time.
@@ -36,92 +27,94 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from seedfed.client import data as data_mod
-from seedfed.client.device_data import DeviceData, load_device_examples, local_accuracy
-from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
-from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary, is_ternary
-from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.models import ModelBundle, build_model
-from seedfed.shared.replay import checksum
+from seedfed.client.device import Device, DeviceStateError, StoredState
+from seedfed.client.device_data import DeviceData, load_device_examples
+from seedfed.client.sync import SyncResult
+from seedfed.shared.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, pack_binary
 
-log = logging.getLogger(__name__)
-
-#: Key of the ConfigRecord carrying seedfed's payload in every message and reply.
-RECORD = "seedfed"
 #: Key of the device's persistent state in `Context.state`.
 STATE = "seedfed.device"
 
-
-class DeviceStateError(SeedfedError, RuntimeError):
-    """The device cannot reach the requested version with what it holds and was sent."""
+__all__ = ["STATE", "ContextStore", "DeviceRuntime", "DeviceStateError", "make_client_app"]
 
 
-@dataclass
-class _Loaded:
-    """A model of one task in this process and the device state it currently holds."""
+class ContextStore:
+    """A device's StoredState in its node's Context (one ConfigRecord under `STATE`), with
+    the task definition it was built from (a device is sent the task only once)."""
 
-    bundle: ModelBundle
-    trainer: LocalTrainer
-    version: int = -1
-    checksum: str = ""
-    packed: PackedTernary | None = None  # a ternary task's packed model (bundle is its view)
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self.task_json: str | None = None  # the task being served (written with the state)
 
-    def invalidate(self) -> None:
-        """The process copy is no longer trusted: the next message reloads the stored state."""
-        self.version, self.checksum = -1, ""
-        if self.packed is not None:
-            self.packed.forget()
+    def _record(self) -> ConfigRecord | None:
+        return self.context.state.config_records.get(STATE)
+
+    def stored_task(self) -> tuple[str, str] | None:
+        """(task id, TaskSpec JSON) of the stored state, if any."""
+        rec = self._record()
+        if rec is None:
+            return None
+        return str(rec["task-id"]), str(rec["task"])
+
+    def load(self) -> StoredState | None:
+        rec = self._record()
+        if rec is None:
+            return None
+        snap = rec.get("ternary-snapshot")
+        return StoredState(
+            str(rec["task-id"]), _int(rec, "version"), str(rec["checksum"]),
+            _bytes(rec, "state"), None if snap is None else _bytes(rec, "ternary-snapshot"),
+            _int(rec, "ternary-snapshot-version") if snap is not None else None,
+            str(rec.get("ternary-snapshot-checksum", "")))
+
+    def save(self, state: StoredState) -> None:
+        assert self.task_json is not None
+        fields = {"task-id": state.task_id, "task": self.task_json, "version": state.version,
+                  "checksum": state.checksum, "state": state.state}
+        if state.snapshot is not None:
+            fields.update({"ternary-snapshot": state.snapshot,
+                           "ternary-snapshot-version": int(state.snapshot_version or 0),
+                           "ternary-snapshot-checksum": state.snapshot_checksum})
+        self.context.state[STATE] = ConfigRecord(fields)
+
+
+def _int(rec: ConfigRecord, key: str) -> int:
+    value = rec[key]
+    assert isinstance(value, int), key
+    return value
+
+
+def _bytes(rec: ConfigRecord, key: str) -> bytes:
+    value = rec[key]
+    assert isinstance(value, bytes), key
+    return value
 
 
 class DeviceRuntime:
-    """Per-process cache of models (by task) and data partitions (by configuration)."""
+    """Per-process cache of the device (one task at a time) and data partitions."""
 
     def __init__(self) -> None:
-        self._models: dict[str, _Loaded] = {}
-        self._ternary: dict[str, PackedTernary] = {}
+        self._devices: dict[str, Device] = {}
         self._data: dict[DeviceData, tuple[data_mod.Examples, data_mod.Examples]] = {}
 
-    @staticmethod
-    def _key(task_id: str, spec_json: str, local_model: str | None) -> str:
-        return (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
-                + (local_model or ""))
-
-    @staticmethod
-    def spec(spec_json: str, local_model: str | None = None) -> TaskSpec:
-        spec = TaskSpec.from_dict(json.loads(spec_json))
-        return replace(spec, model_path=local_model) if local_model else spec
-
-    def ternary(self, task_id: str, spec_json: str, local_model: str | None = None,
-                ) -> PackedTernary:
-        """A ternary task's packed model (cached like `model`)."""
-        key = self._key(task_id, spec_json, local_model)
-        if key not in self._ternary:
-            packed = PackedTernary(self.spec(spec_json, local_model))
-            self._models, self._ternary = {}, {key: packed}  # one task per device at a time
-        return self._ternary[key]
-
-    def model(self, task_id: str, spec_json: str, local_model: str | None = None) -> _Loaded:
-        """The task's model; `local_model` is this device's own copy of the base weights
+    def device(self, task_id: str, spec_json: str, local_model: str | None) -> Device:
+        """The task's device; `local_model` is this node's own copy of the base weights
         (node_config `model`), used instead of the coordinator's `model_path`."""
-        key = self._key(task_id, spec_json, local_model)
-        if key not in self._models:
-            spec = self.spec(spec_json, local_model)
-            if spec.model_kind != "seq_cls":
-                raise DeviceStateError(f"the Flower device trains seq_cls tasks, task {task_id} "
-                                       f"is {spec.model_kind}")
-            bundle = build_model(spec, initialize=False)
-            trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
-            self._models, self._ternary = {key: _Loaded(bundle, trainer)}, {}  # one task a time
-        return self._models[key]
+        key = (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
+               + (local_model or ""))
+        if key not in self._devices:
+            spec = TaskSpec.from_dict(json.loads(spec_json))
+            if local_model:
+                spec = replace(spec, model_path=local_model)
+            self._devices = {key: Device(spec, task_id)}  # one task per device at a time
+        return self._devices[key]
 
     def examples(self, data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
         if data not in self._data:
@@ -132,167 +125,56 @@ class DeviceRuntime:
 RUNTIME = DeviceRuntime()
 
 
-def _stored(context: Context) -> ConfigRecord | None:
-    return context.state.config_records.get(STATE)
-
-
-def sync_device(payload: ConfigRecord, context: Context, target: int) -> tuple[_Loaded, SyncResult]:
-    """Bring this node's model to `target` from its stored state, a snapshot or log entries,
-    and remember the result in the node's Context."""
-    stored = _stored(context)
-    task_id = str(payload["task-id"])
-    spec_json = payload.get("task") or (stored.get("task") if stored is not None else None)
+def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
+                ) -> tuple[Device, SyncResult]:
+    """Bring this node's device to `target` from the message's snapshot, or from its stored
+    state plus the message's log entries, and remember the result in the node's Context."""
+    store = ContextStore(context)
+    stored = store.stored_task()
+    spec_json = catch_up.task or (stored[1] if stored is not None else None)
     if spec_json is None:
         raise DeviceStateError(f"device knows nothing of task {task_id}; send the task and a "
                                "snapshot")
-    local_model = context.node_config.get("model")
-    local = str(local_model) if local_model else None
-    if is_ternary(RUNTIME.spec(str(spec_json))):
-        return sync_ternary(payload, context, target,
-                            RUNTIME.ternary(task_id, str(spec_json), local), str(spec_json))
-    loaded = RUNTIME.model(task_id, str(spec_json), local)
-    scope = loaded.bundle.scope
-    method = "none"
-    if "snapshot" in payload:
-        version = int(payload["snapshot-version"])  # type: ignore[arg-type]
-        got = load_state(scope, bytes(payload["snapshot"]),  # type: ignore[arg-type]
-                         str(payload["snapshot-checksum"]))
-        loaded.version, loaded.checksum, method = version, got, "snapshot"
-    elif stored is not None and stored.get("task-id") == task_id:
-        version = int(stored["version"])  # type: ignore[arg-type]
-        if (loaded.version, loaded.checksum) != (version, stored["checksum"]):
-            loaded.checksum = load_state(scope, bytes(stored["state"]),  # type: ignore[arg-type]
-                                         str(stored["checksum"]))
-            loaded.version = version
+    local = context.node_config.get("model")
+    device = RUNTIME.device(task_id, spec_json, str(local) if local else None)
+    store.task_json, device.store = spec_json, store  # this node's state, in this process
+    loaded = None
+    if catch_up.snapshot is not None:
+        loaded = device.load_snapshot(catch_up.snapshot, catch_up.snapshot_version,
+                                      catch_up.snapshot_checksum, catch_up.snapshot_format)
     else:
-        raise DeviceStateError(f"device holds no state of task {task_id} and got no snapshot")
-    entries = [LogEntryWire.model_validate_json(e).to_entry()
-               for e in json.loads(str(payload.get("entries", "[]")))]
-    try:
-        result = catch_up(scope, task_id=task_id, version=loaded.version, entries=entries,
-                          target=target)
-    except SeedfedError:
-        loaded.invalidate()
-        raise
-    if result.method == "none" and method == "snapshot":
-        result = SyncResult(result.version, result.checksum, "snapshot")
-    changed = stored is None or result.version != int(stored["version"])  # type: ignore[arg-type]
-    loaded.version, loaded.checksum = result.version, result.checksum
-    if changed or method == "snapshot":
-        context.state[STATE] = ConfigRecord({
-            "task-id": task_id, "task": str(spec_json), "version": result.version,
-            "checksum": result.checksum, "state": state_bytes(scope)})
-    return loaded, result
-
-
-def sync_ternary(payload: ConfigRecord, context: Context, target: int, packed: PackedTernary,
-                 spec_json: str) -> tuple[_Loaded, SyncResult]:
-    """`sync_device` for a ternary task: the packed model from the message's published
-    ternary snapshot, or from the Context (epoch snapshot + masked latents) when this process
-    does not hold the stored version; then `catch_up_ternary` to `target` with the message's
-    entries. Reaching `target` needs a snapshot the message lacks (a mask epoch start, a log
-    gap): that raises, and the strategy sends one next time."""
-    stored = _stored(context)
-    task_id = str(payload["task-id"])
-    method = "none"
-    try:
-        if "snapshot" in payload:
-            fmt = str(payload.get("snapshot-format", "fp32"))
-            if fmt != SNAPSHOT_FORMAT:
-                raise DeviceStateError(f"task {task_id} is ternary: its devices load the "
-                                       f"published {SNAPSHOT_FORMAT} snapshot, not {fmt}")
-            packed.load_snapshot(bytes(payload["snapshot"]),  # type: ignore[arg-type]
-                                 int(payload["snapshot-version"]),  # type: ignore[arg-type]
-                                 str(payload["snapshot-checksum"]))
-            method = "snapshot"
-        elif stored is not None and stored.get("task-id") == task_id:
-            version, chk = int(stored["version"]), str(stored["checksum"])  # type: ignore[arg-type]
-            if (packed.version, packed.checksum) != (version, chk):
-                if "ternary-snapshot" not in stored:
-                    raise DeviceStateError(f"stored state of task {task_id} holds no ternary "
-                                           "snapshot; send one")
-                packed.restore(snapshot=bytes(stored["ternary-snapshot"]),  # type: ignore[arg-type]
-                               snapshot_version=int(stored["ternary-snapshot-version"]),  # type: ignore[arg-type]
-                               snapshot_checksum=str(stored["ternary-snapshot-checksum"]),
-                               state=bytes(stored["state"]),  # type: ignore[arg-type]
-                               version=version, checksum=chk)
-        else:
-            raise DeviceStateError(f"device holds no state of task {task_id} and got no "
-                                   "snapshot")
-        entries = [LogEntryWire.model_validate_json(e).to_entry()
-                   for e in json.loads(str(payload.get("entries", "[]")))]
-        known = {e.base_version + 1: e.checksum for e in entries}
-        target_checksum = str(payload.get("checksum") or known.get(target) or packed.checksum)
-
-        def no_snapshot() -> bytes:
-            raise DeviceStateError(f"task {task_id}: v{packed.version} -> v{target} cannot be "
-                                   "replayed (mask epoch start or log gap); send a snapshot")
-
-        result = packed.sync(task_id=task_id, target=target, target_checksum=target_checksum,
-                             entries=entries, fetch=no_snapshot)
-    except SeedfedError:
-        packed.forget()
-        raise
-    if result.method == "none" and method == "snapshot":
-        result = SyncResult(result.version, result.checksum, "snapshot")
-    assert packed.scope is not None and packed.snapshot is not None
-    changed = stored is None or result.version != int(stored["version"])  # type: ignore[arg-type]
-    if changed or method == "snapshot":
-        context.state[STATE] = ConfigRecord({
-            "task-id": task_id, "task": spec_json, "version": result.version,
-            "checksum": result.checksum, "state": state_bytes(packed.scope),
-            "ternary-snapshot": packed.snapshot,
-            "ternary-snapshot-version": int(packed.snapshot_version or 0),
-            "ternary-snapshot-checksum": packed.snapshot_checksum})
-    return _Loaded(packed.bundle, packed.trainer, result.version, result.checksum,
-                   packed=packed), result
+        device.resume()
+    result = device.sync(target, entries=[e.to_entry() for e in catch_up.entries])
+    return device, result if loaded is None or result.method != "none" else loaded
 
 
 def train(message: Message, context: Context, data: DeviceData) -> Message:
-    payload = message.content.config_records[RECORD]
-    plan = RoundPlan.model_validate_json(str(payload["plan"]))
-    loaded, _ = sync_device(payload, context, plan.version)
+    ins = TrainIns.from_record(message.content)
+    device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version)
     mine = data.with_node_config(context.node_config)
     train_set, _ = RUNTIME.examples(mine)
-    spec = loaded.bundle.spec
-    rng = np.random.default_rng([mine.seed, mine.partition_id, plan.round])
-    batches = data_mod.batches_for(spec.model_kind, train_set, loaded.bundle.tokenizer,
-                                   plan.batch_size, spec.max_seq_len, rng)
-    result = loaded.trainer.run(plan, batches)
-    if checksum(loaded.bundle.scope) != loaded.checksum:  # the trainer must have put v back
-        loaded.invalidate()
-        raise DeviceStateError(f"local steps did not restore v{plan.version} exactly")
-    # The aggregation weight is the size of the local training set (FedAvg's n_k, Flower's
-    # num-examples), not the examples of this round's batches: every device probes the same
-    # batch size, so weighting by batch would weigh a 14-example device like a 1,400-example
-    # one, and with Dirichlet label skew the fleet would then train a different objective than
-    # the union of its data (2 points of SST-2 accuracy; docs/accuracy.md).
-    return Message(reply_content(result.scalars, len(train_set), result.loss),
+    trained = device.train(ins.plan, train_set, mine)
+    return Message(reply_content(trained.scalars, trained.num_examples, trained.loss),
                    reply_to=message)
 
 
 def reply_content(scalars: np.ndarray, num_examples: int, loss: float) -> RecordDict:
-    """A device's whole TRAIN reply: the scalar matrix, its example count and mean loss."""
-    return RecordDict({RECORD: ConfigRecord({"g": pack_binary(scalars), "n": int(num_examples),
-                                             "loss": float(loss)})})
+    """A device's whole TRAIN reply (`shared.records.TrainRes`)."""
+    return TrainRes(scalars, num_examples, loss).to_record()
 
 
 def evaluate(message: Message, context: Context, data: DeviceData) -> Message:
     """The sync phase: catch up to the new version, verify it, score the local held-out set."""
-    payload = message.content.config_records[RECORD]
-    loaded, result = sync_device(payload, context, int(payload["version"]))  # type: ignore[arg-type]
-    if result.checksum != payload["checksum"]:
+    ins = SyncIns.from_record(message.content)
+    device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version)
+    if result.checksum != ins.checksum:
         raise DeviceStateError(f"device reached v{result.version} with checksum "
                                f"{result.checksum[:16]}..., coordinator has "
-                               f"{str(payload['checksum'])[:16]}...")
+                               f"{ins.checksum[:16]}...")
     _, local_eval = RUNTIME.examples(data.with_node_config(context.node_config))
-    acc, loss = local_accuracy(loaded.bundle, local_eval)
-    content = RecordDict({
-        RECORD: ConfigRecord({"version": result.version, "checksum": result.checksum}),
-        "metrics": MetricRecord({"accuracy": acc, "loss": loss,
-                                 "num-examples": max(len(local_eval), 1)}),
-    })
-    return Message(content, reply_to=message)
+    acc, loss = device.evaluate(local_eval)
+    reply = SyncRes(result.version, result.checksum, acc, loss, max(len(local_eval), 1))
+    return Message(reply.to_record(), reply_to=message)
 
 
 def make_client_app(data: DeviceData | None = None) -> ClientApp:

@@ -3,8 +3,9 @@
 A device behind version v either replays the log entries it missed (a few scalars each) or loads
 a snapshot of version v (safetensors of the exact float32 trainable state). Either way it ends on
 the checksum the coordinator published for v, or it raises and keeps nothing half-applied. Which
-of the two is cheaper is the coordinator's call (it knows the log); `replay_cost_bytes` and
-`snapshot_cost_bytes` are the estimates a device without a catch-up plan uses.
+of the two is cheaper is the coordinator's call (it knows the log); `replay_cost_bytes` (the
+coordinator's cost model, `shared.messages`) and `snapshot_cost_bytes` are the estimates a
+device without a catch-up plan uses.
 
 A ternary task adds one rule (`catch_up_ternary`): replay only inside a mask epoch; across an
 epoch start the device loads the published ternary snapshot, since its packed model holds no
@@ -27,17 +28,13 @@ from seedfed.shared.errors import (
     MissingTensorError,
     WireFormatError,
 )
+from seedfed.shared.messages import replay_bytes
 from seedfed.shared.replay import LogEntry, checksum, replay
 from seedfed.shared.scopes import Scope
 from torch import nn
 
 if TYPE_CHECKING:  # the ternary package loads only for ternary tasks
     from seedfed.shared.ternary import MaskConfig, TernaryScope
-
-#: Bytes a log entry costs on the wire per seed (JSON integer + base64 float32, roughly).
-ENTRY_BYTES_PER_SEED = 24
-#: Bytes of a log entry besides its seeds (ids, checksum, JSON keys).
-ENTRY_OVERHEAD_BYTES = 200
 
 
 @dataclass(frozen=True)
@@ -57,8 +54,8 @@ class SyncResult:
 
 
 def replay_cost_bytes(entries: Sequence[LogEntry]) -> int:
-    """Estimated download for replaying `entries`."""
-    return sum(ENTRY_OVERHEAD_BYTES + ENTRY_BYTES_PER_SEED * len(e.seeds) for e in entries)
+    """Estimated download for replaying `entries` (the coordinator's cost model)."""
+    return replay_bytes(len(entries), sum(len(e.seeds) for e in entries))
 
 
 def snapshot_cost_bytes(scope: Scope) -> int:
@@ -137,9 +134,9 @@ def read_snapshot(data: bytes) -> dict[str, torch.Tensor]:
 
 
 def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: str,
-                     version: int | None, target: int, target_checksum: str,
-                     config: MaskConfig, entries: Sequence[LogEntry],
-                     snapshot: Callable[[], Mapping[str, torch.Tensor]],
+                     version: int | None, target: int, config: MaskConfig,
+                     entries: Sequence[LogEntry],
+                     snapshot: Callable[[], tuple[Mapping[str, torch.Tensor], str]],
                      ) -> tuple[TernaryScope, SyncResult]:
     """Bring a ternary device (packed model) to `target`; returns the scope to train with next.
 
@@ -147,8 +144,9 @@ def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: s
     `refresh_gamma`, every code), and the device holds no latents outside its old mask. So the
     device replays `entries` when it holds a state of `target`'s epoch, and otherwise (no
     state yet, an epoch start in (version, target], an entry announcing another epoch, or a
-    failed replay) loads the published snapshot of `target` that `snapshot()` fetches,
-    verified against `target_checksum`. The returned scope replaces `scope` (a snapshot
+    failed replay) loads the published snapshot of `target` that `snapshot()` fetches (its
+    tensors and the checksum the coordinator published for `target`, which they must hash
+    to). The returned scope replaces `scope` (a snapshot
     rebuilds the layers, so a trainer bound to the old scope must be rebuilt too).
     """
     from seedfed.shared.ternary import crosses_epoch, load_published_ternary
@@ -164,7 +162,8 @@ def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: s
                                        entries=entries, target=target)
             except (ChecksumMismatchError, LogEntryMismatchError):
                 pass  # diverged or a gap in the log: the snapshot below settles it
-    fresh = load_published_ternary(model, snapshot(), config=config,
+    tensors, target_checksum = snapshot()
+    fresh = load_published_ternary(model, tensors, config=config,
                                    epoch=config.epoch_of(target),
                                    expected_checksum=target_checksum)
     return fresh, SyncResult(target, target_checksum, "snapshot")

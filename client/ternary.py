@@ -130,24 +130,25 @@ class PackedTernary:
         self.snapshot, self.snapshot_version, self.snapshot_checksum = data, version, checksum
         return SyncResult(version, checksum, "snapshot")
 
-    def sync(self, *, task_id: str, target: int, target_checksum: str,
-             entries: Sequence[LogEntry], fetch: Callable[[], bytes]) -> SyncResult:
+    def sync(self, *, task_id: str, target: int, entries: Sequence[LogEntry],
+             fetch: Callable[[], tuple[bytes, str]]) -> SyncResult:
         """`catch_up_ternary` from where the device stands: `entries` inside a mask epoch,
-        else the published snapshot of `target` that `fetch()` downloads (bytes)."""
-        fetched: list[bytes] = []
+        else the published snapshot of `target` that `fetch()` downloads (its bytes and the
+        checksum the coordinator published for `target`)."""
+        fetched: list[tuple[bytes, str]] = []
 
-        def snapshot() -> dict[str, torch.Tensor]:
+        def snapshot() -> tuple[dict[str, torch.Tensor], str]:
             fetched.append(fetch())
-            return read_snapshot(fetched[-1])
+            return read_snapshot(fetched[-1][0]), fetched[-1][1]
 
         scope, result = catch_up_ternary(
             self.model, self.scope if self.version is not None else None, task_id=task_id,
-            version=self.version, target=target, target_checksum=target_checksum,
-            config=self.config, entries=entries, snapshot=snapshot)
+            version=self.version, target=target, config=self.config, entries=entries,
+            snapshot=snapshot)
         self.scope, self.version, self.checksum = scope, result.version, result.checksum
         if result.method == "snapshot":
-            self.snapshot, self.snapshot_version = fetched[-1], target
-            self.snapshot_checksum = target_checksum
+            self.snapshot, self.snapshot_checksum = fetched[-1]
+            self.snapshot_version = target
         return result
 
     def restore(self, *, snapshot: bytes, snapshot_version: int, snapshot_checksum: str,

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from seedfed.shared.estimator import ZOConfig, spsa_step
+from seedfed.shared.estimator import StepResult, ZOConfig, spsa_step
 from seedfed.shared.perturb import Perturber
+from seedfed.shared.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
 from seedfed.shared.scopes import Scope
 from seedfed.shared.wire import RoundPlan
 from torch import nn
@@ -35,7 +36,9 @@ class TrainResult:
     scalars: np.ndarray  # float32 (steps, perturbations), the whole upload
     num_examples: int
     loss: float
-    forwards: int
+    forwards: int  # probes evaluated
+    model_calls: int = 0  # forward calls (fewer than `forwards` when probes were batched)
+    copies_per_forward: int = 1  # the fewest probes stacked per forward in the round
 
 
 def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -53,6 +56,39 @@ def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits.float()
     return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def causal_lm_losses(model: nn.Module, batch: Batch, copies: int) -> torch.Tensor:
+    """`causal_lm_loss` of each of `copies` stacked copies of a batch (shape (copies,)).
+
+    The cross-entropy runs copy by copy, so its float32 logits and log-softmax temporaries
+    exist for one copy at a time (the vocabulary makes them the largest tensors of the step)."""
+    labels = batch.get("labels", batch["input_ids"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    rows = out.logits.shape[0] // copies
+    losses = []
+    for c in range(copies):
+        part = slice(c * rows, (c + 1) * rows)
+        logits = out.logits[part, :-1].float()
+        target = labels[part, 1:]
+        losses.append(nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100))
+    return torch.stack(losses)
+
+
+def classification_losses(model: nn.Module, batch: Batch, copies: int) -> torch.Tensor:
+    """`classification_loss` of each of `copies` stacked copies of a batch (shape (copies,))."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits.float()
+    per = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+    return per.view(copies, -1).mean(dim=1)
+
+
+#: The per-copy form of each built-in loss: what lets the trainer batch probes.
+COPY_LOSSES: dict[LossOnBatch, CopyLosses] = {
+    causal_lm_loss: causal_lm_losses,
+    classification_loss: classification_losses,
+}
 
 
 class _ScopeStash:
@@ -102,15 +138,39 @@ class _ScopeStash:
         self._dir.cleanup()
 
 
+#: How a trainer runs a step's probes (see `seedfed.shared.probes`).
+PROBE_MODES: tuple[str, ...] = ("auto", "batched", "shared", "sequential")
+
+
 class LocalTrainer:
-    """Runs round plans on one model and scope. Reused across rounds (model loaded once)."""
+    """Runs round plans on one model and scope. Reused across rounds (model loaded once).
+
+    `probes` chooses how a step's probes run: "sequential" is the plain `spsa_step` (every probe
+    a full forward); "shared" computes what no perturbed tensor influences once per step
+    (`ProbeEngine`, bit-identical scalars); "batched" also stacks up to `max_copies` probes per
+    forward within `budget_mb` of extra activations (same scalars to float tolerance); "auto"
+    (the default) batches when the loss has a per-copy form (`COPY_LOSSES` or `copy_losses`)
+    and shares the prefix otherwise.
+    """
 
     def __init__(self, model: nn.Module, scope: Scope, loss_on_batch: LossOnBatch,
-                 mode: str = "auto", one_sided: bool = False) -> None:
+                 mode: str = "auto", one_sided: bool = False, *, probes: str = "auto",
+                 copy_losses: CopyLosses | None = None, max_copies: int | None = None,
+                 budget_mb: float = DEFAULT_BUDGET_MB) -> None:
+        if probes not in PROBE_MODES:
+            raise ValueError(f"probes must be one of {PROBE_MODES}, got {probes!r}")
         self.model = model.eval()  # dropout off: both probes of a seed must see the same function
         self.scope = scope
         self.loss_on_batch = loss_on_batch
         self.perturber = Perturber(scope, mode)  # type: ignore[arg-type]
+        copy_losses = copy_losses or COPY_LOSSES.get(loss_on_batch)
+        if probes == "batched" and copy_losses is None:
+            raise ValueError("probes='batched' needs a per-copy loss (copy_losses=)")
+        self.engine: ProbeEngine | None = None
+        if probes != "sequential":
+            self.engine = ProbeEngine(
+                model, scope, loss_on_batch, copy_losses if probes != "shared" else None,
+                max_copies=max_copies, budget_mb=budget_mb, perturber=self.perturber)
 
     def run(self, plan: RoundPlan, batches: Iterator[Batch], keep: bool = False,
             ) -> TrainResult:
@@ -121,24 +181,33 @@ class LocalTrainer:
         stash = None if keep else _ScopeStash(self.scope)
         g = np.zeros((plan.steps, plan.perturbations), dtype=np.float32)
         losses: list[float] = []
-        examples = forwards = 0
+        examples = forwards = calls = 0
+        copies = 0
         try:
             for step, seeds in enumerate(plan.seeds):
                 batch = next(batches)
                 examples += _batch_size(batch)
-
-                def loss_fn(batch: Batch = batch) -> float:
-                    with torch.no_grad():
-                        return float(self.loss_on_batch(self.model, batch))
-
-                res = spsa_step(self.scope, loss_fn, seeds, config, self.perturber)
+                res = self._step(batch, seeds, config)
                 g[step] = res.g
                 losses.append(res.loss)
                 forwards += res.forwards
+                calls += res.model_calls
+                copies = res.copies_per_forward if not copies else min(copies,
+                                                                        res.copies_per_forward)
         finally:
             if stash is not None:
                 stash.restore()
-        return TrainResult(g, examples, float(np.mean(losses)), forwards)
+        return TrainResult(g, examples, float(np.mean(losses)), forwards, calls, max(copies, 1))
+
+    def _step(self, batch: Batch, seeds: list[int], config: ZOConfig) -> StepResult:
+        if self.engine is not None:
+            return engine_step(self.engine, batch, seeds, config)
+
+        def loss_fn() -> float:
+            with torch.no_grad():
+                return float(self.loss_on_batch(self.model, batch))
+
+        return spsa_step(self.scope, loss_fn, seeds, config, self.perturber)
 
 
 def _batch_size(batch: Batch) -> int:

@@ -49,6 +49,42 @@ def bench_core(
         raise typer.Exit(1)
 
 
+def _p_list(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as e:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"perturbation counts must be >= 1, got {text!r}")
+    return values
+
+
+@bench_app.command("probes")
+def bench_probes(
+    json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
+    quick: bool = typer.Option(False, "--quick", help="tiny models from config, P 1,2,4"),
+    repeats: int = typer.Option(None, "--repeats", min=1, help="timing repeats (median)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch threads per worker"),
+    p: str = typer.Option(None, "--p", help="perturbation counts (default 1,2,4,8,16,32)"),
+    llama_p: str = typer.Option(None, "--llama-p", help="perturbation counts for the Llama "
+                                "case (default: --p)"),
+    sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="MiniLM depth sweep at P 8"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 when a target is missed"),
+) -> None:
+    """Sequential vs batched ZO probes: ms per scalar and peak memory, per scope and P."""
+    from pathlib import Path
+
+    from seedfed.bench.probes import main as run_bench_probes
+
+    missed = run_bench_probes(quick=quick, json_path=Path(json_path) if json_path else None,
+                              repeats=repeats, threads=threads, ps=_p_list(p),
+                              llama_ps=_p_list(llama_p), sweep=sweep)
+    if strict and missed:
+        raise typer.Exit(1)
+
+
 # --- coordinator ------------------------------------------------------------------------------
 @app.command("coordinator")
 def coordinator(
@@ -107,8 +143,13 @@ def simulate(
     eval_size: int = typer.Option(None, "--eval-size", min=0,
                                   help="held-out examples scored after each round"),
     cpus: int = typer.Option(None, "--cpus", min=1, help="CPUs for the Simulation Engine"),
+    engine: str = typer.Option("flower", "--engine", help="flower (Flower's Simulation "
+                               "Engine, a Ray actor per CPU) or inprocess (the same rounds and "
+                               "messages delivered in this process: fastest for small models)"),
+    fmt: str = typer.Option(None, "--format", help="published format of the shared model: "
+                            "fp32, int8, int4 (default: the recipe's)"),
 ) -> None:
-    """Simulate a fleet on Flower's Simulation Engine against a local coordinator."""
+    """Simulate a fleet against a local coordinator (Flower's Simulation Engine by default)."""
     import time
     from pathlib import Path
 
@@ -116,12 +157,13 @@ def simulate(
 
     given: dict[str, Any] = {"lr": lr, "eps": eps, "batch_size": batch_size, "eval_size": eval_size,
              "steps": steps, "perturbations": perturbations,
-             "cpus": cpus, "model": model, "db": db, "devices_per_round": devices_per_round}
+             "cpus": cpus, "model": model, "db": db, "devices_per_round": devices_per_round,
+             "format": fmt}
     run_dir = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
         config = SimulationConfig(
             out=run_dir, devices=devices, rounds=rounds, data=data, alpha=alpha, scope=scope,
-            seed=seed,
+            seed=seed, engine=engine,
             **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -1,18 +1,21 @@
-"""`seedfed simulate`: a coordinator and a fleet of virtual devices on Flower's Simulation Engine.
+"""`seedfed simulate`: a coordinator and a fleet of virtual devices, driven by the ServerApp's
+strategy.
 
 The glue above both sides: it opens a coordinator (SQLite in the run directory by default),
-creates the task, and runs the ServerApp strategy against N virtual devices running the
-ClientApp on Flower's Simulation Engine. After every round it scores the committed version on a
-held-out test split (the devices never see it) and updates a progress bar. At the end the run
-directory holds `report.json`, `report.png`, `task.json` and `snapshots/v{N}.safetensors`, which
-`seedfed evaluate --run DIR` scores.
+creates the task, and runs the ServerApp strategy (`SeedfedStrategy`, the one round loop of
+every deployment) against N virtual devices running the ClientApp, delivered by one of two
+engines: Flower's Simulation Engine (`engine="flower"`, a Ray actor per CPU) or the in-process
+grid (`engine="inprocess"`, `seedfed.inprocess`: the same messages, no transport, for fleets
+whose device work is milliseconds and for the accuracy benchmark). After every round it scores
+the committed version on a held-out test split (the devices never see it) and updates a
+progress bar. At the end the run directory holds `report.json`, `report.png`, `task.json` and
+`snapshots/v{N}.safetensors`, which `seedfed evaluate --run DIR` scores.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +27,7 @@ from seedfed.shared.task import Hyper, TaskSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_DATA = "builtin"
+ENGINES: tuple[str, ...] = ("flower", "inprocess")
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,12 @@ class SimulationConfig:
     cpus: int = 2  # CPUs the Simulation Engine may use (one virtual device per CPU at a time)
     sync_after_round: bool = True
     round_timeout_s: float = 600.0
+    engine: str = "flower"  # "flower" (Simulation Engine) or "inprocess" (seedfed.inprocess)
+    format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("devices", "rounds", "steps", "perturbations", "cpus"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,7 +131,7 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
              "steps": config.steps, "perturbations": config.perturbations}
     hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
     return replace(base, label_texts=label_texts, num_labels=len(label_texts), scope=scope,
-                   scope_options=options, hyper=hyper)
+                   scope_options=options, hyper=hyper, format=config.format or base.format)
 
 
 def _recipe_spec(data: str, model: str | None) -> TaskSpec:
@@ -179,30 +187,16 @@ def _label_texts(data: str, num_labels: int) -> tuple[str, ...]:
 def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
         ) -> Report:
     """Run the whole simulation; returns the report (also written to the run directory)."""
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    # Ray workers inherit the environment: keep model-loading chatter out of the progress bar.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     _quiet_transformers()
-    from flwr.app import ArrayRecord, Context, MetricRecord
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
-
-    from seedfed.client.device_data import DeviceData
-    from seedfed.client.flower_app import make_client_app
     from seedfed.server.coordinator import Coordinator
-    from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy
+    from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
     from seedfed.server.settings import Settings
 
     started = time.perf_counter()
     out = config.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     splits = _data_splits(config.data)
-    label_texts = _label_texts(config.data, splits.train.num_labels)
-    spec = task_spec_for(config, label_texts)
+    spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
     test = splits.test.subset(range(min(config.eval_size, len(splits.test))))
     settings = Settings(database_url=config.db or f"sqlite:///{out / 'coordinator.db'}",
                         store_dir=out / "store")
@@ -214,64 +208,16 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         status = coordinator.task_status(task_id)
         (out / "task.json").write_text(json.dumps(spec.to_dict(), indent=2))
         _write_tsv(out / "test.tsv", splits.test)  # `seedfed evaluate --run DIR --data` this
-        per_device = spec.hyper.steps * spec.hyper.perturbations
-        k = config.devices_per_round or config.devices
-        report = Report(config={k_: str(v) if isinstance(v, Path) else v
-                                for k_, v in asdict(config).items()},
-                        task_id=task_id, scope_numel=int(status.scope_numel),
-                        scalars_per_device=per_device,
-                        fedavg_bytes_per_round=2 * 4 * int(status.scope_numel) * k,
-                        upload_budget_bytes_per_device=4 * per_device + 256)
-        evaluator = Evaluator(spec, test) if len(test) else None
+        report = _new_report(config, spec, task_id, int(status.scope_numel))
         fleet = FleetConfig.from_status(status, min_devices=config.devices,
                                         sync_after_round=config.sync_after_round,
                                         sample_seed=config.seed)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
-        round_started = [time.perf_counter()]
-
-        def evaluate_fn(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
-            st = coordinator.task_status(task_id)
-            acc = None
-            if evaluator is not None:
-                acc = evaluator(*coordinator.snapshot(task_id, st.version))
-            if server_round == 0:
-                report.initial_accuracy = acc
-                round_started[0] = time.perf_counter()
-                if on_round is not None:
-                    on_round(RoundRow(0, 0, 0, None, acc, 0, 0, 0.0, None, 0.0), config.rounds)
-                return None if acc is None else MetricRecord({"accuracy": acc})
-            rec: RoundRecord = strategy.history[-1]
-            row = RoundRow(round=rec.round, version=rec.version, participants=rec.participants,
-                           loss=rec.loss, accuracy=acc, upload_bytes=rec.upload_bytes,
-                           download_bytes=rec.download_bytes,
-                           upload_bytes_per_device=(rec.upload_bytes / rec.participants
-                                                    if rec.participants else 0.0),
-                           local_accuracy=rec.local_accuracy,
-                           seconds=time.perf_counter() - round_started[0])
-            round_started[0] = time.perf_counter()
-            report.rounds.append(row)
-            report.device_checksums = {str(n): c for n, c in rec.device_checksums.items()}
-            if on_round is not None:
-                on_round(row, config.rounds)
-            return None if acc is None else MetricRecord({"accuracy": acc})
-
-        server_app = ServerApp()
-
-        @server_app.main()
-        def _main(grid: Grid, context: Context) -> None:
-            strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
-                           timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
-
-        client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
-                                                seed=config.seed,
-                                                num_partitions=config.devices))
-        backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                   "init_args": {"num_cpus": config.cpus, "num_gpus": 0,
-                                 "object_store_memory": 256 * 1024 * 1024,
-                                 "logging_level": "ERROR", "log_to_driver": False}}
+        evaluator = Evaluator(spec, test) if len(test) else None
+        evaluate_fn = _RoundScorer(config, report, coordinator, task_id, strategy, evaluator,
+                                   on_round)
         with _quiet_flower():
-            run_simulation(server_app=server_app, client_app=client_app,
-                           num_supernodes=config.devices, backend_config=backend)  # type: ignore[arg-type]
+            _drive(config, strategy, evaluate_fn)
         final = coordinator.task_status(task_id)
         report.final_version, report.final_checksum = final.version, final.checksum
         data, chk = coordinator.snapshot(task_id, final.version)
@@ -285,6 +231,92 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
     plot(report, out / "report.png")
     return report
+
+
+def _new_report(config: SimulationConfig, spec: TaskSpec, task_id: str,
+                scope_numel: int) -> Report:
+    per_device = spec.hyper.steps * spec.hyper.perturbations
+    k = config.devices_per_round or config.devices
+    return Report(config={k_: str(v) if isinstance(v, Path) else v
+                          for k_, v in asdict(config).items()},
+                  task_id=task_id, scope_numel=scope_numel, scalars_per_device=per_device,
+                  fedavg_bytes_per_round=2 * 4 * scope_numel * k,
+                  upload_budget_bytes_per_device=4 * per_device + 256)
+
+
+class _RoundScorer:
+    """The strategy's `evaluate_fn`: scores the committed version on the held-out split after
+    every round (round 0: version 0) and turns the strategy's record into a report row."""
+
+    def __init__(self, config: SimulationConfig, report: Report, coordinator: Any,
+                 task_id: str, strategy: Any, evaluator: Evaluator | None,
+                 on_round: Callable[[RoundRow, int], None] | None) -> None:
+        self.config, self.report, self.coordinator = config, report, coordinator
+        self.task_id, self.strategy, self.evaluator = task_id, strategy, evaluator
+        self.on_round = on_round
+        self.round_started = time.perf_counter()
+
+    def __call__(self, server_round: int, _arrays: Any) -> Any:
+        from flwr.app import MetricRecord
+
+        acc = None
+        if self.evaluator is not None:
+            st = self.coordinator.task_status(self.task_id)
+            acc = self.evaluator(*self.coordinator.snapshot(self.task_id, st.version))
+        if server_round == 0:
+            self.report.initial_accuracy = acc
+            row = RoundRow(0, 0, 0, None, acc, 0, 0, 0.0, None, 0.0)
+        else:
+            rec = self.strategy.history[-1]
+            row = RoundRow(round=rec.round, version=rec.version, participants=rec.participants,
+                           loss=rec.loss, accuracy=acc, upload_bytes=rec.upload_bytes,
+                           download_bytes=rec.download_bytes,
+                           upload_bytes_per_device=(rec.upload_bytes / rec.participants
+                                                    if rec.participants else 0.0),
+                           local_accuracy=rec.local_accuracy,
+                           seconds=time.perf_counter() - self.round_started)
+            self.report.rounds.append(row)
+            self.report.device_checksums = {str(n): c for n, c in rec.device_checksums.items()}
+        self.round_started = time.perf_counter()
+        if self.on_round is not None:
+            self.on_round(row, self.config.rounds)
+        return None if acc is None else MetricRecord({"accuracy": acc})
+
+
+def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer) -> None:
+    """Run `config.rounds` rounds of the strategy against the fleet, on the chosen engine."""
+    from flwr.app import ArrayRecord
+
+    from seedfed.client.device_data import DeviceData
+    from seedfed.client.flower_app import make_client_app
+
+    client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
+                                            seed=config.seed, num_partitions=config.devices))
+    if config.engine == "inprocess":
+        from seedfed.inprocess import InProcessGrid
+
+        grid = InProcessGrid(client_app, [{"partition-id": i, "num-partitions": config.devices}
+                                          for i in range(config.devices)])
+        strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
+                       timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
+        return
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Any) -> None:
+        strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
+                       timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
+
+    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+               "init_args": {"num_cpus": config.cpus, "num_gpus": 0,
+                             "object_store_memory": 256 * 1024 * 1024,
+                             # workers' model-loading chatter stays out of the progress bar
+                             "logging_level": "ERROR", "log_to_driver": False}}
+    run_simulation(server_app=server_app, client_app=client_app,
+                   num_supernodes=config.devices, backend_config=backend)  # type: ignore[arg-type]
 
 
 def _quiet_transformers() -> None:

@@ -14,11 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from seedfed.shared.aggregate import AggregationConfig, build_entry
-from seedfed.shared.replay import LogEntry, checksum
+from seedfed.shared.aggregate import (
+    AggregationConfig,
+    build_entry,
+    capped_weights,
+    dp_noise_std,
+)
+from seedfed.shared.replay import LogEntry, apply_seeds, checksum
 from seedfed.shared.scopes import Scope
-from seedfed.shared.stream import add_seeds_
 from seedfed.shared.wire import MAX_SEED
 
 SEEDS_STREAM = 1
@@ -56,30 +59,27 @@ class Combined:
 def combine(*, task_id: str, base_version: int, round_number: int, seeds: Sequence[int],
             perturbations: int, lr: float, matrices: Sequence[np.ndarray],
             num_examples: Sequence[int], losses: Sequence[float], config: AggregationConfig,
-            secret: str) -> Combined:
-    """The log entry of a round from its uploads (each steps x P, flattened in plan order)."""
+            secret: str, dp_devices: int | None = None) -> Combined:
+    """The log entry of a round from its uploads (each steps x P, flattened in plan order).
+
+    `dp_devices`: the fixed denominator of a DP task's round (its quorum, known before any
+    upload; `shared.aggregate.dp_aggregate` says why); default the number of uploads."""
     g = np.stack([np.asarray(m, dtype=np.float32).reshape(-1) for m in matrices])
-    w = np.asarray(num_examples, dtype=np.float64)
+    # Capped: a device's claimed example count cannot buy more than the task allows.
+    w = capped_weights(num_examples, config.max_num_examples)
     rng = round_rng(secret, round_number, NOISE_STREAM)
-    entry = build_entry(task_id, base_version, seeds, g, w, lr, perturbations, config, rng)
-    noise = 0.0
-    if config.dp_noise_multiplier > 0 and config.dp_clip is not None:
-        noise = config.dp_noise_multiplier * config.dp_clip * float(w.max() / w.sum())
+    devices = len(matrices) if dp_devices is None else dp_devices
+    entry = build_entry(task_id, base_version, seeds, g, w, lr, perturbations, config, rng,
+                        devices)
+    noise = dp_noise_std(config, devices)
     loss = math.fsum(x * n for x, n in zip(losses, w, strict=True)) / math.fsum(w)
     return Combined(entry, loss, noise)
 
 
 def apply_entry(scope: Scope, seeds: Sequence[int], coefs: Sequence[float],
                 on_tensor: Callable[[int], None] | None = None) -> str:
-    """Apply one entry to the scope in the replay order; returns the new checksum.
-
-    Same arithmetic as `seedfed.shared.replay.apply_seeds` (tensor by tensor, seeds in plan
-    order), with a hook between tensors for crash tests.
-    """
-    with torch.no_grad():
-        for i, t in enumerate(scope):
-            add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices)
-            if on_tensor is not None:
-                on_tensor(i)
-    scope.after_update()
+    """Apply one entry to the scope with the devices' replay (`shared.replay.apply_seeds`,
+    compact tensors included); returns the new checksum. `on_tensor` is the crash tests'
+    hook between tensors."""
+    apply_seeds(scope, seeds, coefs, on_tensor)
     return checksum(scope)

@@ -19,15 +19,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from seedfed.shared.errors import NonFiniteScalarError, SeedfedError, ShapeError, WireFormatError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import errors as E
 from . import service
 from .api.ingest import UploadFastPath
-from .api.routes import devices, log, ops, rounds, tasks
-from .runtime import Runtime
+from .api.openapi import error_payload, error_response, validation_issues
+from .api.openapi import install as install_openapi
+from .api.routes import devices, join_tokens, log, ops, rounds, tasks
+from .runtime import Runtime, database_unavailable
 from .settings import Settings
 
 logger = logging.getLogger("seedfed.server")
@@ -46,8 +51,13 @@ _STATUS: dict[type[BaseException], int] = {
     ShapeError: 422,
     NonFiniteScalarError: 422,
     E.StoreError: 500,
+    E.UnavailableError: 503,
     SeedfedError: 400,
 }
+
+
+#: Seconds a 503 (database or model store unavailable) asks the caller to wait.
+RETRY_AFTER_S = 2
 
 
 def status_of(exc: BaseException) -> int:
@@ -60,10 +70,41 @@ def status_of(exc: BaseException) -> int:
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     code = status_of(exc)
     headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
-    if code >= 500:
+    if code == 503:
+        # An outage answers every request the same way: one line each, not a traceback.
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        logger.warning("unavailable: %s: %s (cause: %s)", type(exc).__name__, exc,
+                       (str(exc.__cause__).splitlines() or [""])[0] if exc.__cause__ else None)
+    elif code >= 500:
         logger.error("internal error: %s", exc, exc_info=exc)
-    return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=code,
-                        headers=headers)
+    return error_response(code, str(exc), type(exc).__name__, headers=headers)
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    # Routes that read through a request session (SessionDep) meet the driver's error outside
+    # Runtime.transaction: the same typed 503.
+    assert isinstance(exc, OperationalError | InterfaceError)
+    err = database_unavailable(exc)
+    err.__cause__ = exc
+    return await _domain_error(request, err)
+
+
+async def _request_invalid(_request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI's own 422 body ({"detail": [...]}) differs from every other error the service
+    # answers; one ErrorBody keeps the OpenAPI document true. The input is not echoed back: it
+    # can be large, and it is the caller's own.
+    assert isinstance(exc, RequestValidationError)
+    summary, issues = validation_issues(exc.errors())
+    return error_response(422, summary, "RequestValidationError", issues=issues)
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    # Routing (404 unknown path, 405 method) and FastAPI's body parsing (400) raise these.
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code in (204, 304):  # no body allowed (as Starlette's own handler)
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    return error_response(exc.status_code, str(exc.detail), "HTTPException",
+                          headers=exc.headers)
 
 
 class BodyLimit:
@@ -105,9 +146,8 @@ class BodyLimit:
             await self._reject(send, seen)
 
     async def _reject(self, send: Send, size: int) -> None:
-        body = JSONResponse({"detail": f"request body of {size} bytes exceeds the limit of "
-                                       f"{self.limit} bytes", "error": "PayloadTooLargeError"},
-                            status_code=413).body
+        body = error_payload(f"request body of {size} bytes exceeds the limit of "
+                             f"{self.limit} bytes", "PayloadTooLargeError")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
@@ -173,8 +213,13 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
                   lifespan=lifespan)
     for exc_type in (E.CoordinatorError, SeedfedError):
         app.add_exception_handler(exc_type, _domain_error)
-    for module in (ops, tasks, devices, rounds, log):
+    app.add_exception_handler(RequestValidationError, _request_invalid)
+    for db_error in (OperationalError, InterfaceError):
+        app.add_exception_handler(db_error, _database_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    for module in (ops, tasks, devices, join_tokens, rounds, log):
         app.include_router(module.router)
+    install_openapi(app)
     app.state.dashboard = mount_dashboard(app)
     if settings.upload_fast_path:
         app.add_middleware(UploadFastPath)

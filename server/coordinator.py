@@ -19,7 +19,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, pack_binary
 
 from . import service
 from .runtime import Runtime
@@ -76,10 +76,15 @@ class Coordinator:
     def current_plan(self, task_id: str) -> RoundPlan | None:
         return service.current_plan(self.rt, task_id=task_id)
 
-    def submit(self, task_id: str, device_id: str, upload: Upload) -> UploadReceipt:
+    def submit(self, task_id: str, device_id: str, upload: Upload,
+               wire_bytes: int | None = None) -> UploadReceipt:
+        """Accept a device's upload. `wire_bytes`: what it cost on the transport that brought
+        it (the Flower strategy passes the reply's bytes); default its binary form's size, what
+        a REST device sends."""
+        if wire_bytes is None:
+            wire_bytes = len(pack_binary(upload.matrix()))
         return service.submit_upload(self.rt, task_id=task_id, round_number=upload.round,
-                                     device_id=device_id, upload=upload,
-                                     wire_bytes=len(upload.model_dump_json()))
+                                     device_id=device_id, upload=upload, wire_bytes=wire_bytes)
 
     def close_round(self, task_id: str) -> LogEntryWire:
         return service.close_round(self.rt, task_id=task_id)
@@ -110,7 +115,8 @@ class Coordinator:
 
     def task_status(self, task_id: str) -> TaskStatus:
         with self.rt.transaction() as s:
-            return service.task_status(s, task_id=task_id, delta=self.settings.dp_delta)
+            return service.task_status(s, task_id=task_id, delta=self.settings.dp_delta,
+                                       failure=self.rt.close_failures.get(task_id))
 
     def round_metrics(self, task_id: str) -> list[RoundMetrics]:
         with self.rt.transaction() as s:

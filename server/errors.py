@@ -38,6 +38,10 @@ class DuplicateUploadError(ConflictError):
     """A second, different upload from the same device in the same round."""
 
 
+class RoundFullError(ConflictError):
+    """An upload beyond the round's devices_per_round (the task's cap on participants)."""
+
+
 class EmptyRoundError(ConflictError):
     """Closing a round that received no upload."""
 
@@ -60,3 +64,16 @@ class PayloadTooLargeError(CoordinatorError):
 
 class StoreError(CoordinatorError):
     """A model store file is missing or does not match the checksum the database recorded."""
+
+
+class UnavailableError(CoordinatorError):
+    """A dependency failed in a way that passes (database down or locked, model store disk
+    full): 503 with a Retry-After, nothing half-written, the same request works once it is back."""
+
+
+class DatabaseUnavailableError(UnavailableError):
+    """The database refused or lost the connection, or stayed locked past the busy timeout."""
+
+
+class StoreUnavailableError(UnavailableError):
+    """The model store could not write a file (disk full, read-only, I/O error)."""

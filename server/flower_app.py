@@ -27,48 +27,31 @@ from typing import Any
 import httpx
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
+from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.messages import CatchupPlan, TaskStatus
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, pack_binary
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
 
-from .errors import ConflictError, CoordinatorError
+from .errors import CoordinatorError
 from .flower_strategy import CoordinatorPort, FleetConfig, SeedfedStrategy
 
 log = logging.getLogger(__name__)
 
 
-class _Obj:
-    """Attribute access over a JSON object (TaskStatus, CatchupPlan) for the strategy."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-
-
 class RestCoordinator:
-    """The strategy's CoordinatorPort over the coordinator's REST API."""
+    """The strategy's CoordinatorPort over the coordinator's REST API (`shared.
+    coordinator_client`, the client the REST device uses too), as the admin."""
 
     def __init__(self, url: str, admin_token: str, join_token: str | None,
                  client: httpx.Client | None = None, timeout_s: float = 60.0) -> None:
         self.http = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
-        self.admin = admin_token
+        self.api = CoordinatorClient(self.http, admin_token)
         self.join = join_token
         self._tokens: dict[str, str] = {}
         self._plans: dict[str, RoundPlan] = {}
 
-    def _call(self, method: str, path: str, token: str | None = None, **kw: Any,
-              ) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {token or self.admin}", **kw.pop("headers", {})}
-        resp = self.http.request(method, path, headers=headers, **kw)
-        if resp.status_code >= 400:
-            try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            err = ConflictError if resp.status_code == 409 else CoordinatorError
-            raise err(f"{method} {path} -> {resp.status_code}: {detail}")
-        return resp
-
     def open_round(self, task_id: str) -> RoundPlan:
-        plan = RoundPlan.model_validate(self._call("POST", f"/v1/tasks/{task_id}/rounds").json())
+        plan = self.api.open_round(task_id)
         self._plans[task_id] = plan
         return plan
 
@@ -76,25 +59,23 @@ class RestCoordinator:
         if not self.join:
             raise CoordinatorError("enrolling Flower devices needs the task's join token "
                                    "(SEEDFED_JOIN_TOKEN or run config join-token)")
-        body = self._call("POST", f"/v1/tasks/{task_id}/devices",
-                          json={"join_token": self.join}).json()
-        self._tokens[body["device_id"]] = body["token"]
-        return body["device_id"], body["token"]
+        device_id, token = self.api.enroll(task_id, self.join)
+        self._tokens[device_id] = token
+        return device_id, token
 
-    def submit(self, task_id: str, device_id: str, upload: Upload) -> None:
-        self._call("POST", f"/v1/tasks/{task_id}/rounds/{upload.round}/uploads",
-                   token=self._tokens[device_id], content=pack_binary(upload.matrix()),
-                   headers={"Content-Type": "application/octet-stream",
-                            "X-Seedfed-Version": str(upload.version),
-                            "X-Seedfed-Num-Examples": str(upload.num_examples),
-                            "X-Seedfed-Loss": repr(upload.loss)})
+    def submit(self, task_id: str, device_id: str, upload: Upload,
+               wire_bytes: int | None = None) -> None:
+        """Forward a device's upload in the binary form (the coordinator counts its body)."""
+        self.api.upload(task_id, upload.round, upload.version, upload.matrix(),
+                        upload.num_examples, upload.loss, token=self._tokens[device_id])
 
     def close_round(self, task_id: str) -> LogEntryWire:
         plan = self._plans[task_id]
         try:
-            return LogEntryWire.model_validate(self._call(
-                "POST", f"/v1/tasks/{task_id}/rounds/{plan.round}/close").json())
-        except ConflictError:
+            return self.api.close_round(task_id, plan.round)
+        except CoordinatorHttpError as e:
+            if e.status != 409:
+                raise
             # the coordinator's own ticker may have closed it at quorum: find its entry
             for entry in self.log_since(task_id, plan.version):
                 if entry.base_version == plan.version:
@@ -102,24 +83,20 @@ class RestCoordinator:
             raise
 
     def log_since(self, task_id: str, version: int) -> list[LogEntryWire]:
-        return [LogEntryWire.model_validate(e) for e in self._call(
-            "GET", f"/v1/tasks/{task_id}/log", params={"since": version}).json()]
+        return self.api.log_since(task_id, version)
 
     def snapshot(self, task_id: str, version: int, fmt: str | None = None,
                  ) -> tuple[bytes, str]:
-        resp = self._call("GET", f"/v1/tasks/{task_id}/snapshots/{version}",
-                          params={} if fmt is None else {"format": fmt})
-        return resp.content, resp.headers["X-Seedfed-Checksum"]
+        return self.api.snapshot(task_id, version, fmt)
 
-    def task_status(self, task_id: str) -> Any:
-        return _Obj(self._call("GET", f"/v1/tasks/{task_id}").json())
+    def task_status(self, task_id: str) -> TaskStatus:
+        return self.api.status(task_id)
 
     def task_spec(self, task_id: str) -> TaskSpec:
-        return TaskSpec.from_dict(self._call("GET", f"/v1/tasks/{task_id}/spec").json())
+        return TaskSpec.from_dict(self.api.spec(task_id))
 
-    def catchup(self, task_id: str, from_version: int) -> Any:
-        return _Obj(self._call("GET", f"/v1/tasks/{task_id}/catchup",
-                               params={"from": from_version}).json())
+    def catchup(self, task_id: str, from_version: int) -> CatchupPlan:
+        return self.api.catchup(task_id, from_version)
 
     def close(self) -> None:
         self.http.close()
@@ -144,7 +121,7 @@ def _open_coordinator(cfg: dict[str, Any]) -> tuple[CoordinatorPort, Any]:
 
     coord = Coordinator.open(Settings(database_url=str(cfg["db-url"]),
                                       store_dir=Path(str(cfg["store-dir"]))))
-    return coord, coord  # type: ignore[return-value]
+    return coord, coord
 
 
 def run_fleet(grid: Grid, cfg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,7 +8,8 @@ coordinator as uploads and asks it to close the round. The optional sync phase
 one reached, so a diverged device is caught at once and re-synced from a snapshot.
 
 The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
-version it confirmed. Message keys are the contract in `seedfed.client.flower_app`'s docstring.
+version it confirmed. The messages are `seedfed.shared.records`, the classes the ClientApp reads
+and writes too.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from seedfed.shared.errors import SeedfedError
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, unpack_binary
+from seedfed.shared.messages import CatchupPlan, TaskStatus
+from seedfed.shared.records import FP32, CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
+from seedfed.shared.task import TaskSpec
+from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
 
 log = logging.getLogger(__name__)
-
-RECORD = "seedfed"  # must equal seedfed.client.flower_app.RECORD
 
 
 class CoordinatorPort(Protocol):
@@ -38,14 +40,15 @@ class CoordinatorPort(Protocol):
 
     def open_round(self, task_id: str) -> RoundPlan: ...
     def enroll(self, task_id: str) -> tuple[str, str]: ...
-    def submit(self, task_id: str, device_id: str, upload: Upload) -> None: ...
+    def submit(self, task_id: str, device_id: str, upload: Upload,
+               wire_bytes: int | None = None) -> object: ...
     def close_round(self, task_id: str) -> LogEntryWire: ...
     def log_since(self, task_id: str, version: int) -> list[LogEntryWire]: ...
     def snapshot(self, task_id: str, version: int, fmt: str | None = None,
                  ) -> tuple[bytes, str]: ...
-    def task_status(self, task_id: str) -> Any: ...
-    def task_spec(self, task_id: str) -> Any: ...
-    def catchup(self, task_id: str, from_version: int) -> Any: ...
+    def task_status(self, task_id: str) -> TaskStatus: ...
+    def task_spec(self, task_id: str) -> TaskSpec: ...
+    def catchup(self, task_id: str, from_version: int) -> CatchupPlan: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class FleetConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @classmethod
-    def from_status(cls, status: Any, **overrides: Any) -> FleetConfig:
+    def from_status(cls, status: TaskStatus, **overrides: Any) -> FleetConfig:
         """The task's own quorum, timeout and devices per round, with explicit overrides."""
         base = {"quorum": status.quorum, "round_timeout_s": status.round_timeout_s,
                 "devices_per_round": status.devices_per_round}
@@ -131,8 +134,7 @@ class SeedfedStrategy(Strategy):
         self._nodes: dict[int, _Node] = {}
         self._plan: RoundPlan | None = None
         self._rng = random.Random(config.sample_seed)
-        self._spec_json: str | None = None
-        self._snapshot_format: str | None = None
+        self._spec: TaskSpec | None = None
 
     # -- fleet bookkeeping -------------------------------------------------------------------
     def _node(self, node_id: int) -> _Node:
@@ -151,27 +153,23 @@ class SeedfedStrategy(Strategy):
             time.sleep(0.2)
         return ids
 
-    def _task_json(self) -> str:
-        if self._spec_json is None:
-            spec = self.coordinator.task_spec(self.task_id)
-            self._spec_json = json.dumps(spec.to_dict() if hasattr(spec, "to_dict") else spec)
-        return self._spec_json
+    def _task_spec(self) -> TaskSpec:
+        if self._spec is None:
+            self._spec = self.coordinator.task_spec(self.task_id)
+        return self._spec
 
     def _snapshot_fmt(self) -> str:
         """The snapshot a device loads: the fp32 trainable state, except on a ternary task,
         whose devices hold the packed model and so take the published ternary snapshot
         (codes, gammas, masks, masked latents; the fp32 master file holds every latent)."""
-        if self._snapshot_format is None:
-            spec = json.loads(self._task_json())
-            self._snapshot_format = "ternary" if spec.get("scope") == "ternary" else "fp32"
-        return self._snapshot_format
+        return "ternary" if self._task_spec().scope == "ternary" else FP32
 
     def _catch_up(self, node: _Node, target: int, cache: dict[int, list[LogEntryWire]],
-                  ) -> dict[str, Any]:
+                  ) -> CatchUp:
         """How the device reaches `target`: nothing, the log entries it missed, or a snapshot
         (the coordinator's catch-up plan picks the cheaper; new devices always take one)."""
         if node.version == target:
-            return {}
+            return CatchUp()
         if node.version is not None and node.version < target:
             if node.version not in cache:
                 plan = self.coordinator.catchup(self.task_id, node.version)
@@ -180,19 +178,15 @@ class SeedfedStrategy(Strategy):
                 else:
                     cache[node.version] = []
             if cache[node.version]:
-                return {"entries": json.dumps([e.model_dump_json()
-                                               for e in cache[node.version]])}
+                return CatchUp(entries=tuple(cache[node.version]))
         fmt = self._snapshot_fmt()
-        if fmt == "fp32":  # `snapshot-format` absent means fp32 (messages as before)
-            data, chk = self.coordinator.snapshot(self.task_id, target)
-            return {"snapshot": data, "snapshot-version": target, "snapshot-checksum": chk,
-                    "task": self._task_json()}
-        data, chk = self.coordinator.snapshot(self.task_id, target, fmt)
-        return {"snapshot": data, "snapshot-version": target, "snapshot-checksum": chk,
-                "snapshot-format": fmt, "task": self._task_json()}
+        data, chk = self.coordinator.snapshot(self.task_id, target,
+                                              None if fmt == FP32 else fmt)
+        return CatchUp(snapshot=data, snapshot_version=target, snapshot_checksum=chk,
+                       snapshot_format=fmt, task=json.dumps(self._task_spec().to_dict()))
 
-    def _message(self, node_id: int, payload: dict[str, Any], kind: str) -> Message:
-        content = RecordDict({RECORD: ConfigRecord({"task-id": self.task_id, **payload})})
+    @staticmethod
+    def _message(node_id: int, content: RecordDict, kind: str) -> Message:
         return Message(content=content, message_type=kind, dst_node_id=node_id)
 
     # -- training ----------------------------------------------------------------------------
@@ -207,12 +201,11 @@ class SeedfedStrategy(Strategy):
                              scalars_per_device=plan.steps * plan.perturbations)
         self.history.append(record)
         cache: dict[int, list[LogEntryWire]] = {}
-        plan_json = plan.model_dump_json()
         messages = []
         for node_id in chosen:
-            payload = {"plan": plan_json, **self._catch_up(self._node(node_id), plan.version,
-                                                           cache)}
-            msg = self._message(node_id, payload, MessageType.TRAIN)
+            ins = TrainIns(self.task_id, plan, self._catch_up(self._node(node_id), plan.version,
+                                                              cache))
+            msg = self._message(node_id, ins.to_record(), MessageType.TRAIN)
             record.download_bytes += payload_bytes(msg.content)
             messages.append(msg)
         log.info("round %d: plan v%d, %d of %d devices", plan.round, plan.version, len(chosen),
@@ -233,7 +226,8 @@ class SeedfedStrategy(Strategy):
                 continue
             try:
                 upload = self._upload(plan, reply)
-                self.coordinator.submit(self.task_id, node.device_id, upload)
+                self.coordinator.submit(self.task_id, node.device_id, upload,
+                                        payload_bytes(reply.content))
             except (SeedfedError, KeyError, TypeError, ValueError) as e:
                 record.failures.append(f"device {node_id}: {type(e).__name__}: {e}")
                 continue
@@ -265,13 +259,11 @@ class SeedfedStrategy(Strategy):
 
     @staticmethod
     def _upload(plan: RoundPlan, reply: Message) -> Upload:
-        payload = reply.content.config_records[RECORD]
-        g = unpack_binary(bytes(payload["g"]))  # type: ignore[arg-type]
-        if g.shape != (plan.steps, plan.perturbations):
-            raise ValueError(f"scalars have shape {list(g.shape)}, the plan "
+        res = TrainRes.from_record(reply.content)
+        if res.scalars.shape != (plan.steps, plan.perturbations):
+            raise ValueError(f"scalars have shape {list(res.scalars.shape)}, the plan "
                              f"{[plan.steps, plan.perturbations]}")
-        return Upload.build(plan, g, int(payload["n"]),  # type: ignore[arg-type]
-                            float(payload["loss"]))  # type: ignore[arg-type]
+        return Upload.build(plan, res.scalars, res.num_examples, res.loss)
 
     # -- sync phase --------------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -286,9 +278,9 @@ class SeedfedStrategy(Strategy):
         for node_id, node in sorted(self._nodes.items()):
             if node_id not in connected or node.version is None:
                 continue  # a device without state gets its snapshot with its next plan
-            payload = {"version": status.version, "checksum": status.checksum,
-                       **self._catch_up(node, status.version, cache)}
-            msg = self._message(node_id, payload, MessageType.EVALUATE)
+            ins = SyncIns(self.task_id, status.version, status.checksum,
+                          self._catch_up(node, status.version, cache))
+            msg = self._message(node_id, ins.to_record(), MessageType.EVALUATE)
             record.download_bytes += payload_bytes(msg.content)
             messages.append(msg)
         return messages
@@ -308,19 +300,22 @@ class SeedfedStrategy(Strategy):
                 record.sync_mismatches += 1
                 log.warning("sync of device %d failed: %s", node_id, reply.error.reason)
                 continue
-            payload = reply.content.config_records[RECORD]
-            version, chk = int(payload["version"]), str(payload["checksum"])  # type: ignore[arg-type]
-            record.device_checksums[node_id] = chk
-            if (version, chk) != (status.version, status.checksum):
+            try:
+                res = SyncRes.from_record(reply.content)
+            except (SeedfedError, ValueError) as e:
+                node.version = node.checksum = None
+                record.sync_mismatches += 1
+                log.warning("sync reply of device %d unreadable: %s", node_id, e)
+                continue
+            record.device_checksums[node_id] = res.checksum
+            if (res.version, res.checksum) != (status.version, status.checksum):
                 node.version = node.checksum = None
                 record.sync_mismatches += 1
                 continue
-            node.version, node.checksum = version, chk
+            node.version, node.checksum = res.version, res.checksum
             record.synced += 1
-            metrics = reply.content.metric_records.get("metrics")
-            if metrics is not None and int(metrics["num-examples"]) > 0:  # type: ignore[arg-type]
-                scored.append((float(metrics["accuracy"]), float(metrics["loss"]),  # type: ignore[arg-type]
-                               int(metrics["num-examples"])))  # type: ignore[arg-type]
+            if res.accuracy is not None and res.loss is not None and res.num_examples > 0:
+                scored.append((res.accuracy, res.loss, res.num_examples))
         total = sum(n for _, _, n in scored)
         if total:
             record.local_accuracy = sum(a * n for a, _, n in scored) / total

@@ -77,6 +77,24 @@ class TaskRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class JoinTokenRow(Base):
+    """A join token of a task (stored hashed). Devices enroll with it until it is revoked or
+    has enrolled `max_devices` (None: `Settings.max_devices_per_join_token`); rotating a
+    task's token creates a new row and revokes the others. Revoking a token does not revoke
+    the devices it enrolled. (`TaskRow.join_token_hash` keeps the first token's hash only for
+    databases from before this table; enrolment reads this table.)"""
+
+    __tablename__ = "join_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    max_devices: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    enrolled: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
 class DeviceRow(Base):
     __tablename__ = "devices"
 
@@ -86,6 +104,8 @@ class DeviceRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    #: The join token it enrolled with (None: the in-process facade, or enrolled before 0002).
+    join_token_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class RoundRow(Base):

@@ -11,16 +11,27 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from seedfed.shared.models import ModelBundle
 from seedfed.shared.wire import RoundPlan
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .db import make_engine, session_factory, upgrade
+from .errors import DatabaseUnavailableError
 from .settings import Settings
 from .store import ModelStore
+
+
+def database_unavailable(e: DBAPIError) -> DatabaseUnavailableError:
+    """The typed error of a database outage. Its message names the driver's error type only:
+    the driver's text can hold the database's address, and callers need not be authenticated;
+    the log line gets the cause (`app._domain_error`)."""
+    return DatabaseUnavailableError(
+        f"the database is unavailable ({type(e.orig or e).__name__}); retry later")
 
 
 class Metrics:
@@ -54,6 +65,19 @@ class Master:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass(frozen=True)
+class CloseFailure:
+    """The last failed attempt to finish a task's round close; retried with backoff by the
+    ticker and shown on /readyz, the task status and the dashboard until a close succeeds."""
+
+    round_id: int
+    round: int | None
+    attempts: int
+    error: str  # "TypeName: message"
+    failed_at: datetime
+    retry_at: datetime
+
+
 @dataclass
 class Faults:
     """Test hooks that simulate a crash at a named point of the round close."""
@@ -84,12 +108,29 @@ class Runtime:
         self.plan_cache: dict[str, tuple[int, RoundPlan] | None] = {}
         # round id -> uploads committed so far
         self.upload_counts: dict[int, int] = {}
+        # round id -> devices_per_round of its task (None: no cap), for the upload writer
+        self.round_caps: dict[int, int | None] = {}
+        # task id -> its failing round close (absent: none failing)
+        self.close_failures: dict[str, CloseFailure] = {}
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        """One unit of work: commit on success, roll back on any exception."""
-        with self.sessions() as session, session.begin():
-            yield session
+        """One unit of work: commit on success, roll back on any exception.
+
+        A lost or refused connection, or a lock held past the busy timeout, becomes a typed
+        `DatabaseUnavailableError` (503): the unit of work was rolled back as a whole, so the
+        caller may repeat the same request once the database is back."""
+        try:
+            with self.sessions() as session, session.begin():
+                yield session
+        except DBAPIError as e:
+            # The unit of work may have moved the plan cache before its commit failed (a close
+            # marks the round aggregating and forgets the open plan): forget every cached plan,
+            # so the next use re-reads what the database really holds.
+            self.plan_cache.clear()
+            if isinstance(e, OperationalError | InterfaceError):
+                raise database_unavailable(e) from e
+            raise
 
     def task_lock(self, task_id: str) -> threading.Lock:
         with self._masters_lock:

@@ -1,25 +1,68 @@
-"""API schemas of the coordinator (requests and responses beyond the shared wire schemas)."""
+"""API schemas of the coordinator (requests and responses beyond the shared wire schemas;
+`TaskStatus` and `CatchupPlan`, which clients read, live in `seedfed.shared.messages`)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from seedfed.shared.messages import CatchupPlan as CatchupPlan  # the schemas devices read too
+from seedfed.shared.messages import TaskStatus as TaskStatus
+from seedfed.shared.wire import MAX_INT32
+
+#: A round's deadline is at most a year after it opens.
+MAX_ROUND_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TaskCreate(_Model):
+def _storable_text(data: Any) -> Any:
+    """Refuse strings the database cannot store or UTF-8 cannot encode, anywhere in a request
+    body (nested `spec` included): NUL (PostgreSQL text) and lone surrogates (JSON can spell
+    "\\ud800"). Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                raise ValueError("strings must not contain NUL characters")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return data
+
+
+class _Request(_Model):
+    """A request body: every string in it is storable text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        return _storable_text(data)
+
+
+class TaskCreate(_Request):
     """POST /v1/tasks. `spec` is a `seedfed.shared.task.TaskSpec` as a dict (`to_dict`)."""
 
     spec: dict[str, Any]
     name: str | None = Field(default=None, max_length=200)
-    quorum: int = Field(default=1, ge=1)
-    round_timeout_s: float = Field(default=600.0, gt=0)
-    devices_per_round: int | None = Field(default=None, ge=1)
+    # Ranges: counts fit the 32-bit columns; a deadline must stay a representable datetime.
+    quorum: int = Field(default=1, ge=1, le=MAX_INT32)
+    round_timeout_s: float = Field(default=600.0, gt=0, le=MAX_ROUND_TIMEOUT_S,
+                                   allow_inf_nan=False)
+    devices_per_round: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    #: Devices the task's first join token may enroll (None: the coordinator's
+    #: max_devices_per_join_token setting).
+    max_devices_per_token: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
 
 class TaskCreated(_Model):
@@ -27,27 +70,6 @@ class TaskCreated(_Model):
     join_token: str  # shown once; devices enroll with it
     version: int
     checksum: str
-
-
-class TaskStatus(_Model):
-    task_id: str
-    name: str
-    version: int
-    checksum: str
-    round: int | None  # latest round number, None before the first
-    state: Literal["idle", "open", "aggregating"]
-    devices: int  # enrolled and not revoked
-    devices_seen: int  # devices that uploaded at least once
-    quorum: int
-    round_timeout_s: float
-    devices_per_round: int | None
-    scope: str
-    scope_numel: int
-    format: str
-    aggregation: str
-    epsilon: float | None  # client-level DP epsilon so far (None: DP off)
-    delta: float | None
-    created_at: datetime
 
 
 class RoundMetrics(_Model):
@@ -98,8 +120,31 @@ class TaskStats(_Model):
     devices: list[DeviceSummary] = Field(default_factory=list)
 
 
-class EnrollRequest(_Model):
-    join_token: str
+class JoinTokenCreate(_Request):
+    """POST /v1/tasks/{id}/join-tokens: a new join token; by default the others are revoked
+    (rotation). Devices already enrolled stay enrolled either way."""
+
+    max_devices: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    revoke_others: bool = True
+
+
+class JoinTokenCreated(_Model):
+    token_id: str
+    join_token: str  # shown once; stored hashed
+    max_devices: int
+    revoked: list[str]  # ids of the tokens this rotation revoked
+
+
+class JoinTokenInfo(_Model):
+    token_id: str
+    max_devices: int  # the limit in force (the setting's default when none was given)
+    enrolled: int
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class EnrollRequest(_Request):
+    join_token: str = Field(max_length=1024)
 
 
 class Enrollment(_Model):
@@ -116,22 +161,25 @@ class UploadReceipt(_Model):
     received_at: datetime
 
 
-class CatchupPlan(_Model):
+class FailingClose(_Model):
+    """A task whose round close keeps failing (retried with backoff until it succeeds)."""
+
     task_id: str
-    from_version: int
-    to_version: int
-    action: Literal["none", "replay", "download"]
-    replay_seeds: int
-    replay_bytes: int
-    replay_seconds: float
-    download_bytes: int
-    download_seconds: float
-    #: Mask epoch of the target version (ternary tasks; None for scopes without epochs).
-    mask_epoch: int | None = None
-    #: Why the action is forced rather than the cheaper one (e.g. a mask epoch start).
-    reason: str | None = None
+    round: int | None
+    attempts: int
+    error: str
+    retry_at: datetime
 
 
 class Health(_Model):
     status: Literal["ok", "unavailable"]
     detail: str | None = None
+
+
+class Readiness(_Model):
+    """GET /readyz. `degraded` (still ready, 200): the database and the store answer, but
+    some task's round close is failing; it is retried with backoff and listed here."""
+
+    status: Literal["ok", "degraded", "unavailable"]
+    detail: str | None = None
+    failing_closes: list[FailingClose] = Field(default_factory=list)

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     #: Largest |scalar| accepted when the task has no clip bound (a projected gradient beyond
     #: this is a broken or hostile device, not a signal).
-    scalar_hard_limit: float = Field(default=1e4, gt=0)
+    scalar_hard_limit: float = Field(default=1e4, gt=0, le=1e6)  # <= wire.MAX_ABS_SCALAR
     #: Client-level DP accounting: the delta of the reported (epsilon, delta).
     dp_delta: float = Field(default=1e-5, gt=0, lt=1)
     #: How often the background ticker closes rounds past their deadline (seconds).
@@ -57,6 +57,16 @@ class Settings(BaseSettings):
     upload_fast_path: bool = True
     #: Seconds uvicorn keeps an idle keep-alive connection (devices poll, then upload).
     keep_alive_s: float = Field(default=30.0, gt=0)
+    #: A round close that fails (files, database, model loading) is retried by the ticker
+    #: after close_retry_base_s, doubling per failed attempt up to close_retry_max_s.
+    close_retry_base_s: float = Field(default=1.0, gt=0)
+    close_retry_max_s: float = Field(default=300.0, gt=0)
+    #: Devices one join token may enroll when its creator named no limit (admin routes
+    #: /v1/tasks/{id}/join-tokens rotate and revoke tokens, and set per-token limits).
+    max_devices_per_join_token: int = Field(default=10_000, ge=1)
+    #: Seconds a connection may take to send a request's headers (from its first byte, or from
+    #: the connection's opening); slower ones are dropped (slow-header attacks).
+    header_timeout_s: float = Field(default=10.0, gt=0)
     #: Model store versions kept per task besides version 0: after the commit of version v the
     #: files of version v - keep_versions are deleted (0 keeps every version). The log is kept.
     keep_versions: int = 20

@@ -30,6 +30,8 @@ version, K) and the file's absence, so no column records it. K = 0 keeps everyth
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -43,7 +45,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import StoreError
+from .errors import StoreError, StoreUnavailableError
 
 CHUNK = 1 << 20
 #: A version file or the temporary file of one: `v00000012.<kind>.safetensors[.<pid>.tmp]`.
@@ -90,14 +92,25 @@ class ModelStore:
         return self.root / rel
 
     def write_bytes(self, rel: str, data: bytes) -> StoredFile:
+        """Write `rel` atomically (temporary file, fsync, rename). A failed write (disk full,
+        read-only, I/O error) removes its temporary file and raises `StoreUnavailableError`:
+        the final name then holds its old content or nothing, never a partial file."""
         target = self.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+                (errno.errorcode.get(e.errno or 0) or type(e).__name__)
+            raise StoreUnavailableError(f"the model store cannot write {rel} ({why}); "
+                                        "retry later") from e
         _fsync_dir(target.parent)
         return StoredFile(rel, hashlib.sha256(data).hexdigest(), len(data))
 

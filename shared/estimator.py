@@ -51,7 +51,9 @@ class ZOConfig:
 class StepResult:
     g: np.ndarray  # float32, one projected gradient per seed
     loss: float  # mean loss of the probes (an estimate of L(theta) on this batch)
-    forwards: int
+    forwards: int  # probes evaluated (one per copy, batched or not)
+    model_calls: int = 0  # forward calls of the model (0: not counted)
+    copies_per_forward: int = 1  # probes stacked along the batch per model call
 
 
 def projected_gradient(loss_plus: float, loss_minus: float, eps: float, one_sided: bool,
@@ -88,4 +90,5 @@ def spsa_step(scope: Scope, loss_fn: LossFn, seeds: Sequence[int], config: ZOCon
             g[i] = projected_gradient(lp, lm, config.eps, config.one_sided, config.clip)
     coefs = update_coefficients(g, config.lr, config.perturbations)
     apply_seeds(scope, seeds, coefs.tolist())
-    return StepResult(g=g, loss=float(np.mean(losses)), forwards=len(losses))
+    return StepResult(g=g, loss=float(np.mean(losses)), forwards=len(losses),
+                      model_calls=len(losses))

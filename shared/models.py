@@ -149,12 +149,15 @@ class MeanPoolClassifier(nn.Module):
                                       "attention_mask": attention_mask[sub, :n_max]}
             if token_type_ids is not None:
                 kwargs["token_type_ids"] = token_type_ids[sub, :n_max]
-            out = self.encoder(**kwargs, output_hidden_states=k < self.num_layers)
+            # Only layers below k run for the new sentences: the states entering layer k are
+            # the output of layer k - 1 (a BERT encoder has no final norm).
+            with _only_prefix(self.encoder, k):
+                out = self.encoder(**kwargs)
             if k >= self.num_layers:
                 feats = _mean_pool(out.last_hidden_state, kwargs["attention_mask"])
                 rows = [feats[j].clone() for j in range(len(missing))]
             else:
-                states = out.hidden_states[k]
+                states = out.last_hidden_state
                 rows = [states[j, :lengths[i]].clone() for j, i in enumerate(missing)]
             for i, row in zip(missing, rows, strict=True):
                 fresh[keys[i]] = row
@@ -197,6 +200,17 @@ class _Constant(nn.Module):
 
     def forward(self, *_: Any, **__: Any) -> torch.Tensor:
         return self.value
+
+
+@contextmanager
+def _only_prefix(encoder: Any, k: int) -> Iterator[None]:
+    """Run only layers 0..k-1 of a BERT-style encoder."""
+    layers = encoder.encoder.layer
+    encoder.encoder.layer = nn.ModuleList(list(layers)[:k])
+    try:
+        yield
+    finally:
+        encoder.encoder.layer = layers
 
 
 @contextmanager
@@ -311,6 +325,14 @@ def apply_lora(model: nn.Module, options: LoraOptions, model_kind: str) -> nn.Mo
     """Wrap the model with peft LoRA adapters (dropout 0: both probes must see one function)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
+    names = [n for n, _ in model.named_modules()]
+    # peft's rule: a target names a module exactly or ends its dotted path.
+    unmatched = [t for t in options.target_modules
+                 if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unmatched:
+        raise ScopeError(f"LoRA target_modules {unmatched} match no module of "
+                         f"{type(model).__name__} (e.g. {names[-1]!r}); name modules by their "
+                         "last path components, e.g. 'query' or 'layer.5.attention.self.query'")
     config = LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=0.0,
                         target_modules=list(options.target_modules))
     if isinstance(model, MeanPoolClassifier):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,11 +90,18 @@ def _hash_tensor(h: Any, name: str, values: torch.Tensor) -> None:
     h.update(flat.tobytes())
 
 
-def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float]) -> None:
-    """theta += sum in order of coef * z(seed) over the scope (no validation; hot path)."""
+def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float],
+                on_tensor: Callable[[int], None] | None = None) -> None:
+    """theta += sum in order of coef * z(seed) over the scope (no validation; hot path).
+
+    The one definition of an entry's arithmetic: devices replay with it and the coordinator
+    applies its aggregated entries with it. `on_tensor(i)` runs after the i-th tensor (the
+    coordinator's crash tests stop there)."""
     with torch.no_grad():
-        for t in scope:
+        for i, t in enumerate(scope):
             add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices, t.compact)
+            if on_tensor is not None:
+                on_tensor(i)
     scope.after_update()
 
 

@@ -14,6 +14,10 @@ from typing import Any, Literal
 
 from .aggregate import AggregationConfig
 
+#: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
+#: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.probes`).
+DEFAULT_PROBE_MEMORY_MB = 64.0
+
 ModelKind = Literal["causal_lm", "seq_cls"]
 Format = Literal["fp32", "fp16", "bf16", "int8", "int4", "ternary"]
 FORMATS: tuple[str, ...] = ("fp32", "fp16", "bf16", "int8", "int4", "ternary")
@@ -44,6 +48,11 @@ class Hyper:
     batch_size: int = 16
     clip: float | None = None
     one_sided: bool = False
+    #: Probes a device stacks along the batch per forward (None: as many as its memory budget
+    #: allows). Task creation refuses a value whose activations exceed `probe_memory_mb`.
+    probe_copies: int | None = None
+    #: Extra activation memory (MB) a device may spend on stacked probes.
+    probe_memory_mb: float = DEFAULT_PROBE_MEMORY_MB
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -55,6 +64,13 @@ class Hyper:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be positive or None, got {self.clip}")
+        copies = self.perturbations + 1 if self.one_sided else 2 * self.perturbations
+        if self.probe_copies is not None and not 1 <= self.probe_copies <= copies:
+            raise ValueError(f"probe_copies must be between 1 and the {copies} probes of a step "
+                             f"(perturbations {self.perturbations}), got {self.probe_copies}")
+        if not (math.isfinite(self.probe_memory_mb) and self.probe_memory_mb >= 0):
+            raise ValueError(f"probe_memory_mb must be finite and >= 0, got "
+                             f"{self.probe_memory_mb}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,9 @@ class TaskSpec:
             raise ValueError(f"num_labels must be >= 2, got {self.num_labels}")
         if self.label_texts and len(self.label_texts) != self.num_labels:
             raise ValueError(f"{len(self.label_texts)} label texts for {self.num_labels} labels")
+        if self.scope == "scales" and self.format not in ("int8", "int4"):
+            # QZO trains the group scales of a quantized model: a float model has none.
+            raise ValueError(f"scope 'scales' needs format int8 or int4, got {self.format!r}")
         if self.scope == "ternary" and self.model_kind != "causal_lm":
             # A ternary device builds its packed model from a causal LM's config and weights
             # (`shared.ternary.build_packed_model`); a classifier's head would need the fp32

@@ -5,12 +5,18 @@ is exactly 4 bytes per scalar before base64. The raw binary form, for `applicati
 uploads, is a 16-byte header (magic b"SFS1", uint32 rows, uint32 cols, uint32 reserved = 0)
 followed by the float32 LE values. Seeds are JSON integers below 2**53 so that clients in any
 language (JavaScript included) read them exactly; the stream itself accepts any uint64.
+
+Every number a device sends has a documented range (docs/protocol.md section 4), checked here,
+before any arithmetic or storage: bounded inputs are what make aggregation unable to overflow
+(|scalar| * weight * devices stays far inside float64, and every count fits a 32-bit column).
+Integers are strict: the JSON string "10" is not the number 10.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 import struct
 from datetime import datetime
 from typing import Annotated, Any
@@ -27,6 +33,21 @@ MAGIC = b"SFS1"
 _HEADER = struct.Struct("<4sIII")
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+#: Bounds of the numbers on the wire (docs/protocol.md section 4). Rounds, versions and counts
+#: are stored in 32-bit integer columns; a loss or scalar beyond 1e6 is a broken or hostile
+#: device, and the bound keeps every weighted sum of a round exactly representable.
+MAX_INT32 = (1 << 31) - 1
+MAX_ROUND = MAX_INT32
+MAX_VERSION = MAX_INT32
+MAX_NUM_EXAMPLES = MAX_INT32
+MAX_ABS_LOSS = 1e6
+MAX_ABS_SCALAR = 1e6
+#: Most steps (rows) or perturbations (columns) of a scalar matrix.
+MAX_DIM = 1 << 16
+RoundNumber = Annotated[int, Field(strict=True, ge=0, le=MAX_ROUND)]
+VersionNumber = Annotated[int, Field(strict=True, ge=0, le=MAX_VERSION)]
+Dim = Annotated[int, Field(strict=True, ge=1, le=MAX_DIM)]
 #: The mask epoch of a ternary task (None for scopes without epochs). Left out of the JSON when
 #: None, so messages of other tasks stay byte-identical to what readers without it expect.
 MaskEpoch = Annotated[int | None, Field(default=None, ge=0, exclude_if=lambda v: v is None)]
@@ -43,12 +64,22 @@ def decode_scalars(text: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, ValueError, UnicodeEncodeError) as e:
         raise WireFormatError(f"scalars are not valid base64: {e}") from e
-    n = int(np.prod(shape)) if shape else 1
+    if any(not isinstance(d, int) or not 0 <= d <= MAX_INT32 for d in shape):
+        raise WireFormatError(f"scalar shape {list(shape)} must be integers in 0..{MAX_INT32}")
+    n = math.prod(shape)  # exact: numpy's product of large sides overflows int64
     if len(raw) != 4 * n:
         raise WireFormatError(f"scalars hold {len(raw)} bytes, shape {list(shape)} needs {4 * n}")
     out = np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
     if not np.isfinite(out).all():
         raise NonFiniteScalarError("scalars contain NaN or infinity")
+    return out
+
+
+def bounded_scalars(out: np.ndarray) -> np.ndarray:
+    """`out` if every uploaded scalar is within the wire bound MAX_ABS_SCALAR (log entries'
+    coefficients are the coordinator's own and are not held to it)."""
+    if out.size and float(np.abs(out).max()) > MAX_ABS_SCALAR:
+        raise WireFormatError(f"a scalar is above the wire bound |g| <= {MAX_ABS_SCALAR:g}")
     return out
 
 
@@ -63,9 +94,15 @@ def unpack_binary(data: bytes) -> np.ndarray:
     if len(data) < _HEADER.size:
         raise WireFormatError(
             f"binary scalars need a {_HEADER.size}-byte header, got {len(data)} bytes")
-    magic, rows, cols, _ = _HEADER.unpack_from(data)
+    magic, rows, cols, reserved = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise WireFormatError(f"binary scalars start with {magic!r}, expected {MAGIC!r}")
+    if reserved != 0:
+        # Reserved for a later header version: a reader that ignored it would misread one.
+        raise WireFormatError(f"binary scalars' reserved header word is {reserved}, must be 0")
+    if not (1 <= rows <= MAX_DIM and 1 <= cols <= MAX_DIM):
+        raise WireFormatError(f"binary scalars are {rows}x{cols}; each side must be in "
+                              f"1..{MAX_DIM}")
     body = data[_HEADER.size:]
     if len(body) != 4 * rows * cols:
         raise WireFormatError(
@@ -73,7 +110,7 @@ def unpack_binary(data: bytes) -> np.ndarray:
     out = np.frombuffer(body, dtype="<f4").reshape(rows, cols).astype(np.float32)
     if not np.isfinite(out).all():
         raise NonFiniteScalarError("scalars contain NaN or infinity")
-    return out
+    return bounded_scalars(out)
 
 
 class _Schema(BaseModel):
@@ -132,30 +169,32 @@ class Upload(_Schema):
     """A device's whole contribution to a round: scalars, example count, mean loss."""
 
     task_id: str
-    round: int = Field(ge=0)
-    version: int = Field(ge=0)
-    shape: tuple[int, int]
-    scalars: str  # base64 float32 LE, see encode_scalars
-    #: Aggregation weight: the size of the device's local training set (FedAvg's n_k).
-    num_examples: int = Field(gt=0)
-    loss: float
+    round: RoundNumber
+    version: VersionNumber
+    shape: tuple[Dim, Dim]
+    scalars: str  # base64 float32 LE, see encode_scalars; each |g| <= MAX_ABS_SCALAR
+    #: Aggregation weight: the size of the device's local training set (FedAvg's n_k). The
+    #: coordinator caps the weight at the task's `max_num_examples`.
+    num_examples: int = Field(strict=True, ge=1, le=MAX_NUM_EXAMPLES)
+    loss: float = Field(strict=True, ge=-MAX_ABS_LOSS, le=MAX_ABS_LOSS)
 
-    @field_validator("loss")
+    @field_validator("loss", mode="before")
     @classmethod
-    def _finite_loss(cls, v: float) -> float:
-        if v != v or v in (float("inf"), float("-inf")):
+    def _finite_loss(cls, v: object) -> object:
+        # Before the range check, so that NaN is named as such, not as out of range.
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
             raise ValueError("loss must be finite")
         return v
 
     def matrix(self) -> np.ndarray:
-        return decode_scalars(self.scalars, self.shape)
+        return bounded_scalars(decode_scalars(self.scalars, self.shape))
 
     @classmethod
     def build(cls, plan: RoundPlan, g: np.ndarray, num_examples: int, loss: float) -> Upload:
         g = np.asarray(g, dtype=np.float32).reshape(plan.steps, plan.perturbations)
         return cls(task_id=plan.task_id, round=plan.round, version=plan.version,
                    shape=(plan.steps, plan.perturbations), scalars=encode_scalars(g),
-                   num_examples=num_examples, loss=loss)
+                   num_examples=int(num_examples), loss=float(loss))
 
 
 class LogEntryWire(_Schema):

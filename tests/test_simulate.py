@@ -1,7 +1,8 @@
-"""`seedfed simulate` end to end on Flower's Simulation Engine (Ray), with a tiny model.
+"""`seedfed simulate` end to end with a tiny model, on both engines.
 
-One short simulation (3 devices, 2 rounds) through the command line, then checks of what it
-left in the run directory against the coordinator's own records.
+One short simulation (3 devices, 2 rounds) through the command line, on Flower's Simulation
+Engine (Ray) with the fp32 format and on the in-process grid with an int8 shared model, then
+checks of what it left in the run directory against the coordinator's own records.
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 DEVICES, ROUNDS, STEPS, PERTURBATIONS = 3, 2, 2, 2
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sim")
+#: (engine, published format, scope): LoRA on the fp32 model through Ray; the head on an int8
+#: shared model in process.
+RUNS = [("flower", "fp32", "lora"), ("inprocess", "int8", "head")]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=["-".join(r) for r in RUNS])
+def run_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine, fmt, scope = request.param
+    root = tmp_path_factory.mktemp(f"sim-{engine}")
     model = make_tiny_bert(root / "model")
     data = write_sentiment_tsv(root / "data.tsv", n=400)
     out = root / "run"
     result = CliRunner().invoke(app, [
         "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--steps", str(STEPS),
         "--perturbations", str(PERTURBATIONS), "--model", str(model), "--data", str(data),
-        "--alpha", "1.0", "--scope", "lora", "--eval-size", "40", "--batch-size", "8",
-        "--lr", "1e-3", "--eps", "1e-2", "--out", str(out)])
+        "--alpha", "1.0", "--scope", scope, "--eval-size", "40", "--batch-size", "8",
+        "--lr", "1e-3", "--eps", "1e-2", "--engine", engine, "--format", fmt, "--out", str(out)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert "seedfed simulate" in result.output  # the summary table was printed
     return out
@@ -91,7 +98,9 @@ def test_run_directory_is_scored_by_seedfed_evaluate(run_dir: Path) -> None:
 
     score = evaluate(run_dir / "test.tsv", run=run_dir, limit=50)
 
-    assert spec.scope == "lora"
+    config = json.loads((run_dir / "report.json").read_text())["config"]
+    assert spec.format == config["format"]
+    assert spec.scope == ("named" if config["scope"] == "head" else config["scope"])
     assert score.examples == 50 and 0 <= score.accuracy <= 1
 
 

@@ -17,6 +17,7 @@ from ..runtime import Runtime
 from ..service.uploads import UploadWriter
 from ..settings import Settings
 from .ingest import device_from_token
+from .openapi import TaskIdPath
 
 _bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
 
@@ -69,7 +70,7 @@ async def require_admin(rt: RuntimeDep, creds: Credentials) -> None:
 AdminDep = Annotated[None, Depends(require_admin)]
 
 
-async def current_device(task_id: str, rt: RuntimeDep, creds: Credentials) -> str:
+async def current_device(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials) -> str:
     """The device id of the bearer token, which must belong to the task in the path."""
     if creds is None:
         raise AuthenticationError("missing Authorization: Bearer <device token>")
@@ -86,7 +87,7 @@ async def current_device(task_id: str, rt: RuntimeDep, creds: Credentials) -> st
 CurrentDevice = Annotated[str, Depends(current_device)]
 
 
-async def device_credential(task_id: str, rt: RuntimeDep,
+async def device_credential(task_id: TaskIdPath, rt: RuntimeDep,
                             creds: Credentials) -> tuple[str | None, str]:
     """(device id if the token is cached, token hash) for the upload path: an uncached token
     is authenticated by the upload writer together with the rest of its batch."""
@@ -97,7 +98,7 @@ async def device_credential(task_id: str, rt: RuntimeDep,
 DeviceCredential = Annotated[tuple[str | None, str], Depends(device_credential)]
 
 
-async def reader(task_id: str, rt: RuntimeDep, creds: Credentials) -> str | None:
+async def reader(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials) -> str | None:
     """Admin (returns None) or a device of the task (returns its id)."""
     if _is_admin(rt, creds):
         return None

@@ -11,12 +11,13 @@ function the route uses (`ingest`); the route stays for OpenAPI and as the fallb
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Mapping
 
 from fastapi.concurrency import run_in_threadpool
 from seedfed.shared.errors import SeedfedError
+from seedfed.shared.messages import UPLOAD_HEADERS
+from seedfed.shared.wire import MAX_ROUND, Upload
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import service
@@ -24,9 +25,12 @@ from ..errors import AuthenticationError, MalformedRequestError, PermissionDenie
 from ..runtime import Runtime
 from ..schemas import UploadReceipt
 from ..service.uploads import UploadWriter
+from .openapi import error_payload
 
-BINARY_HEADERS = ("X-Seedfed-Version", "X-Seedfed-Num-Examples", "X-Seedfed-Loss")
-_PATH = re.compile(r"^/v1/tasks/([^/]+)/rounds/(\d+)/uploads/?$")
+BINARY_HEADERS = UPLOAD_HEADERS  # X-Seedfed-Version, -Num-Examples, -Loss
+# Only ids and round numbers inside their documented ranges take the fast path; anything else
+# falls through to the route, whose parameter validation answers the 422.
+_PATH = re.compile(r"^/v1/tasks/([A-Za-z0-9._~-]{1,64})/rounds/(\d{1,10})/uploads/?$")
 
 
 def device_from_token(rt: Runtime, task_id: str, authorization: str | None
@@ -46,36 +50,62 @@ def device_from_token(rt: Runtime, task_id: str, authorization: str | None
     return hit[0], h
 
 
-async def ingest(rt: Runtime, writer: UploadWriter, *, task_id: str, round_number: int,
-                 device: tuple[str | None, str], headers: Mapping[str, str],
-                 body: bytes) -> tuple[UploadReceipt, int | None]:
-    """Parse, validate and store one upload; returns the receipt and, when the upload brought
-    its round to quorum, the round id to close."""
-    ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+_INT = re.compile(r"^[0-9]{1,10}$")
+_FLOAT = re.compile(r"^-?[0-9]{1,20}(\.[0-9]{1,20})?([eE][+-]?[0-9]{1,3})?$")
+
+
+def _binary_number(headers: Mapping[str, str], name: str, pattern: re.Pattern[str]) -> str:
+    """A binary upload header's value, if it is spelled as a plain decimal number (strict, like
+    JSON: no spaces, underscores, signs on counts, "nan" or "inf")."""
+    value = headers[name]
+    if not pattern.fullmatch(value):
+        raise MalformedRequestError(f"binary upload header {name} is not a plain decimal "
+                                    f"number: {value[:40]!r}")
+    return value
+
+
+def parse_upload(headers: Mapping[str, str], body: bytes, *, task_id: str,
+                 round_number: int) -> Upload:
+    """The upload in either form (JSON `Upload`, or the binary matrix plus headers)."""
+    ctype = (headers.get("content-type") or "").split(";")[0].strip().lower()
     if ctype == "application/octet-stream":
         missing = [k for k in BINARY_HEADERS if k not in headers]
         if missing:
             raise MalformedRequestError(f"binary upload needs the headers {missing}")
-        try:
-            version = int(headers["x-seedfed-version"])
-            n = int(headers["x-seedfed-num-examples"])
-            loss = float(headers["x-seedfed-loss"])
-        except ValueError as e:
-            raise MalformedRequestError(f"binary upload headers are not numbers: {e}") from e
-        up = service.parse_binary_upload(body, task_id=task_id, round_number=round_number,
-                                         version=version, num_examples=n, loss=loss)
-    elif ctype in ("application/json", ""):
-        up = service.parse_json_upload(body)
-    else:
-        raise MalformedRequestError(f"content type {ctype!r} is not accepted; send "
-                                    "application/json or application/octet-stream")
+        version = int(_binary_number(headers, "x-seedfed-version", _INT))
+        n = int(_binary_number(headers, "x-seedfed-num-examples", _INT))
+        loss = float(_binary_number(headers, "x-seedfed-loss", _FLOAT))
+        return service.parse_binary_upload(body, task_id=task_id, round_number=round_number,
+                                           version=version, num_examples=n, loss=loss)
+    if ctype in ("application/json", ""):
+        return service.parse_json_upload(body)
+    raise MalformedRequestError(f"content type {ctype!r} is not accepted; send "
+                                "application/json or application/octet-stream")
+
+
+async def ingest(rt: Runtime, writer: UploadWriter, *, task_id: str, round_number: int,
+                 device: tuple[str | None, str], headers: Mapping[str, str],
+                 body: bytes) -> tuple[UploadReceipt, int | None]:
+    """Parse, validate and store one upload; returns the receipt and, when the upload brought
+    its round to quorum, the round id to close.
+
+    Authentication comes first: a cached token is known here, an uncached one is checked
+    with its write batch; but if the upload is refused before that, the token is checked
+    now (one query, on the refusal path only), so a bogus token gets a 401 and learns
+    nothing of the round's state, version or plan shape."""
     try:
+        up = parse_upload(headers, body, task_id=task_id, round_number=round_number)
         pending = service.check_upload(rt, task_id=task_id, round_number=round_number,
                                        device_id=device[0], token_hash=device[1], upload=up,
                                        wire_bytes=len(body))
     except Exception:
         rt.metrics.uploads.labels("rejected").inc()
+        if device[0] is None:
+            await run_in_threadpool(service.devices.authenticate_hash, rt, task_id=task_id,
+                                    token_hash=device[1])
         raise
+    if isinstance(pending, UploadReceipt):  # a retry of an upload to a round closed since
+        return pending, None
     receipt = await asyncio.wrap_future(writer.submit(pending))
     assert isinstance(receipt, UploadReceipt)
     hit = rt.plan_cache.get(task_id)
@@ -108,7 +138,7 @@ class UploadFastPath:
             scope["method"] == "POST" else None
         state = getattr(scope.get("app"), "state", None)
         rt = getattr(state, "runtime", None)
-        if m is None or rt is None:
+        if m is None or rt is None or int(m.group(2)) > MAX_ROUND:
             await self.app(scope, receive, send)
             return
         from ..app import status_of
@@ -135,8 +165,12 @@ class UploadFastPath:
             code = status_of(e)
             if code == 413:
                 raise  # BodyLimit answers
-            payload = json.dumps({"detail": str(e), "error": type(e).__name__}).encode()
+            payload = error_payload(str(e), type(e).__name__)
         extra = [(b"www-authenticate", b"Bearer")] if code == 401 else []
+        if code == 503:  # database or model store unavailable: as the app's handler answers
+            from ..app import RETRY_AFTER_S
+
+            extra.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         await send({"type": "http.response.start", "status": code,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()), *extra]})

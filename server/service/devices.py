@@ -1,13 +1,14 @@
-"""Devices: enrollment with the task's join token, revocation, bearer-token authentication."""
+"""Devices: enrollment with one of the task's join tokens (`join_tokens.py`), revocation,
+bearer-token authentication."""
 
 from __future__ import annotations
 
-import hmac
 import secrets
 
 from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
 from ..orm import DeviceRow, utcnow
 from ..runtime import Runtime
+from .join_tokens import claim_enrolment
 from .tasks import get_task, hash_token
 
 
@@ -17,11 +18,11 @@ def enroll_device(rt: Runtime, *, task_id: str, join_token: str | None) -> tuple
     device_id = secrets.token_hex(8)
     token = secrets.token_urlsafe(32)
     with rt.transaction() as s:
-        task = get_task(s, task_id=task_id)
-        if join_token is not None and not hmac.compare_digest(
-                hash_token(join_token), task.join_token_hash):
-            raise AuthenticationError(f"wrong join token for task {task_id!r}")
-        s.add(DeviceRow(id=device_id, task_id=task_id, token_hash=hash_token(token)))
+        get_task(s, task_id=task_id)
+        via = None if join_token is None else claim_enrolment(rt, s, task_id=task_id,
+                                                               join_token=join_token)
+        s.add(DeviceRow(id=device_id, task_id=task_id, token_hash=hash_token(token),
+                        join_token_id=via))
     rt.token_cache[hash_token(token)] = (device_id, task_id)
     return device_id, token
 
@@ -40,7 +41,12 @@ def revoke_device(rt: Runtime, *, task_id: str, device_id: str) -> None:
 
 def authenticate_device(rt: Runtime, *, task_id: str, token: str) -> str:
     """The device id a bearer token belongs to; refuses unknown, revoked or foreign tokens."""
-    h = hash_token(token)
+    return authenticate_hash(rt, task_id=task_id, token_hash=hash_token(token))
+
+
+def authenticate_hash(rt: Runtime, *, task_id: str, token_hash: str) -> str:
+    """`authenticate_device` for a token already hashed (the upload path keeps the hash)."""
+    h = token_hash
     hit = rt.token_cache.get(h)
     if hit is None:
         with rt.transaction() as s:

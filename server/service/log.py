@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
+from seedfed.shared.messages import replay_bytes as estimate_replay_bytes
 from seedfed.shared.wire import LogEntryWire
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -27,8 +28,6 @@ from .tasks import (
 #: Defaults of the catch-up cost model, for a modest device (a Raspberry Pi 4 on Wi-Fi).
 DEFAULT_BANDWIDTH = 2e6  # bytes/s
 DEFAULT_REGEN_RATE = 1e8  # perturbation elements regenerated and added per second
-ENTRY_OVERHEAD = 200  # JSON bytes of an entry besides its seeds and coefficients
-BYTES_PER_SEED = 26  # a 16-digit seed and a base64 float32, with separators
 
 
 def log_since(session: Session, *, task_id: str, since: int,
@@ -138,7 +137,7 @@ def catchup_plan(session: Session, *, task_id: str, from_version: int,
         select(func.count(), func.coalesce(func.sum(func.length(VersionRow.coefs)), 0))
         .where(VersionRow.task_id == task_id, VersionRow.version > from_version)).one()
     n_seeds = int(n_seeds) // 4
-    replay_bytes = int(n_entries) * ENTRY_OVERHEAD + n_seeds * BYTES_PER_SEED
+    replay_bytes = estimate_replay_bytes(int(n_entries), n_seeds)
     replay_s = replay_bytes / bandwidth + n_seeds * task.scope_numel / regen_rate
     download_s = latest.snapshot_bytes / bandwidth
     spec = spec_of(task)

@@ -12,6 +12,8 @@ for the next prune, which lists the task's store directories.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from datetime import timedelta
 
@@ -19,22 +21,31 @@ import numpy as np
 from seedfed.shared.quant.scales_scope import plan_clip
 from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.scopes import Scope
-from seedfed.shared.wire import LogEntryWire, RoundPlan
+from seedfed.shared.wire import (
+    MAX_ABS_LOSS,
+    MAX_ABS_SCALAR,
+    MAX_NUM_EXAMPLES,
+    LogEntryWire,
+    RoundPlan,
+)
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..aggregation import apply_entry, combine, draw_seeds
 from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
-from ..orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
-from ..runtime import Runtime
+from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
+from ..runtime import CloseFailure, Runtime
 from .tasks import (
     get_task,
     load_master,
     mask_epoch_of,
     prune_versions,
+    round_cap_of,
     spec_of,
     write_version_files,
 )
+
+logger = logging.getLogger("seedfed.server")
 
 
 def entry_of(row: VersionRow, task_id: str) -> LogEntry:
@@ -91,6 +102,7 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
         s.flush()
         rt.plan_cache[task_id] = (row.id, plan)
         rt.upload_counts[row.id] = 0
+        rt.round_caps[row.id] = task.devices_per_round
     rt.metrics.rounds_opened.inc()
     return plan
 
@@ -100,10 +112,12 @@ def open_plan(rt: Runtime, *, task_id: str) -> tuple[int, RoundPlan] | None:
     if task_id in rt.plan_cache:
         return rt.plan_cache[task_id]
     with rt.transaction() as s:
-        get_task(s, task_id=task_id)
+        task = get_task(s, task_id=task_id)
         row = s.scalars(select(RoundRow).where(RoundRow.task_id == task_id,
                                                RoundRow.state == RoundState.OPEN)).first()
         hit = None if row is None else (row.id, RoundPlan.model_validate_json(row.plan_json))
+        if row is not None:
+            rt.round_caps[row.id] = round_cap_of(task)
     rt.plan_cache[task_id] = hit
     return hit
 
@@ -141,33 +155,115 @@ def _begin_close(rt: Runtime, task_id: str, number: int | None = None,
         return row.id
 
 
+def _usable(u: UploadRow, plan: RoundPlan) -> bool:
+    """Whether a stored upload is within today's wire bounds. Rows stored before the bounds
+    existed (a loss of 1e308, 10**12 examples) are left out instead of failing the close."""
+    if (u.rows, u.cols) != (plan.steps, plan.perturbations) or \
+            len(u.scalars) != 4 * u.rows * u.cols:
+        return False
+    if not (1 <= u.num_examples <= MAX_NUM_EXAMPLES and math.isfinite(u.loss)
+            and abs(u.loss) <= MAX_ABS_LOSS):
+        return False
+    g = np.frombuffer(u.scalars, dtype="<f4")
+    return bool(np.isfinite(g).all()) and (g.size == 0 or float(np.abs(g).max()) <= MAX_ABS_SCALAR)
+
+
+def _aggregable_uploads(s: Session, round_id: int, plan: RoundPlan) -> list[UploadRow]:
+    """The round's uploads that count: from devices not revoked (a device revoked while its
+    upload sat in the open round is not aggregated), within the wire bounds."""
+    rows = list(s.scalars(select(UploadRow).join(DeviceRow, DeviceRow.id == UploadRow.device_id)
+                          .where(UploadRow.round_id == round_id, DeviceRow.revoked_at.is_(None))
+                          .order_by(UploadRow.device_id)))
+    kept = [u for u in rows if _usable(u, plan)]
+    if len(kept) != len(rows):
+        logger.warning("round %s: %d stored upload(s) outside the wire bounds left out",
+                       round_id, len(rows) - len(kept))
+    return kept
+
+
+def _expire_unaggregatable(rt: Runtime, task_id: str, round_id: int, number: int) -> None:
+    """Close a round none of whose uploads can be aggregated, without a new version."""
+    with rt.state_lock, rt.transaction() as s:
+        r = s.get(RoundRow, round_id)
+        if r is not None and r.state == RoundState.AGGREGATING:
+            r.state, r.closed_at, r.participants = RoundState.EXPIRED, utcnow(), 0
+    rt.upload_counts.pop(round_id, None)
+    rt.metrics.rounds_expired.inc()
+    raise EmptyRoundError(f"round {number} of task {task_id!r} has no upload from an enrolled "
+                          "device within the bounds; it expired without a new version")
+
+
+def _record_failure(rt: Runtime, task_id: str, round_id: int, exc: BaseException) -> None:
+    """Note a failed close for the ticker's retry (exponential backoff) and the status pages."""
+    prev = rt.close_failures.get(task_id)
+    attempts = 1 if prev is None or prev.round_id != round_id else prev.attempts + 1
+    st = rt.settings
+    delay = min(st.close_retry_base_s * 2.0 ** (attempts - 1), st.close_retry_max_s)
+    now = utcnow()
+    number = None if prev is None else prev.round
+    try:
+        with rt.transaction() as s:
+            r = s.get(RoundRow, round_id)
+            number = None if r is None else r.number
+    except Exception:  # the database is what failed: record the failure all the same
+        pass
+    rt.close_failures[task_id] = CloseFailure(
+        round_id=round_id, round=number, attempts=attempts,
+        error=f"{type(exc).__name__}: {exc}"[:500], failed_at=now,
+        retry_at=now + timedelta(seconds=delay))
+    logger.error("close of round %s of task %s failed (attempt %d, retry in %.0f s): %s",
+                 number, task_id, attempts, delay, exc, exc_info=exc)
+
+
 def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
+    """`_finish_once`, recording a failure (anything but a state conflict) for the retry."""
+    try:
+        out = _finish_once(rt, task_id, round_id)
+    except (ConflictError, NotFoundError):
+        rt.close_failures.pop(task_id, None)  # nothing left to retry
+        raise
+    except Exception as e:
+        try:
+            _record_failure(rt, task_id, round_id, e)
+        except Exception:  # the database itself is down: retry anyway, later
+            logger.exception("could not record the failed close of task %s", task_id)
+        raise
+    rt.close_failures.pop(task_id, None)
+    return out
+
+
+def _finish_once(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
     """Aggregate an `aggregating` round, write its files, commit its version (unit of work 2)."""
     started = time.perf_counter()
     with rt.task_lock(task_id):
         with rt.transaction() as s:
             task = get_task(s, task_id=task_id)
             row = s.get(RoundRow, round_id)
-            assert row is not None and row.task_id == task_id
+            if row is None or row.task_id != task_id:
+                raise NotFoundError(f"task {task_id!r} has no round with id {round_id}")
             if row.state == RoundState.CLOSED and row.result_version is not None:
                 done = s.get(VersionRow, (task_id, row.result_version))
                 assert done is not None
                 return wire_of(done, task_id, mask_epoch_of(spec_of(task), done.version))
             spec = spec_of(task)
             plan = RoundPlan.model_validate_json(row.plan_json)
-            uploads = list(s.scalars(select(UploadRow).where(UploadRow.round_id == round_id)
-                                     .order_by(UploadRow.device_id)))
+            if row.state != RoundState.AGGREGATING:
+                raise RoundClosedError(f"round {row.number} of task {task_id!r} is "
+                                       f"{row.state}, not aggregating")
+            uploads = _aggregable_uploads(s, round_id, plan)
             base, number, secret = row.base_version, row.number, task.secret
         if base != task.current_version:
             raise ConflictError(f"round {number} was planned at v{base} but task {task_id!r} "
                                 f"is at v{task.current_version}")
+        if not uploads:
+            _expire_unaggregatable(rt, task_id, round_id, number)
         combined = combine(
             task_id=task_id, base_version=base, round_number=number, seeds=plan.flat_seeds,
             perturbations=plan.perturbations, lr=plan.lr,
             matrices=[np.frombuffer(u.scalars, dtype="<f4").reshape(u.rows, u.cols)
                       for u in uploads],
             num_examples=[u.num_examples for u in uploads], losses=[u.loss for u in uploads],
-            config=spec.aggregation, secret=secret)
+            config=spec.aggregation, secret=secret, dp_devices=plan.quorum)
         master = load_master(rt, task_id=task_id)
         entry = combined.entry
         with master.lock:
@@ -217,6 +313,7 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
         # Version base + 1 is committed: only now may the files it made unneeded go.
         prune_versions(rt, task_id=task_id, version=base + 1)
     rt.upload_counts.pop(round_id, None)
+    rt.round_caps.pop(round_id, None)
     rt.metrics.rounds_closed.inc()
     rt.metrics.aggregation_seconds.observe(time.perf_counter() - started)
     return LogEntryWire.from_entry(LogEntry(task_id, base, entry.seeds, entry.coefs, chk),
@@ -290,10 +387,36 @@ def open_idle(rt: Runtime) -> list[RoundPlan]:
     return plans
 
 
+def retry_failed_closes(rt: Runtime) -> list[LogEntryWire]:
+    """Retry every failed close whose backoff has passed (the ticker calls this); one task's
+    failure does not keep the others from closing."""
+    now = utcnow()
+    due = [(t, f.round_id) for t, f in list(rt.close_failures.items()) if f.retry_at <= now]
+    done: list[LogEntryWire] = []
+    for task_id, round_id in due + _orphaned(rt):
+        try:
+            done.append(_finish(rt, task_id, round_id))
+        except Exception:  # recorded by _finish with its next retry time
+            continue
+    return done
+
+
+def _orphaned(rt: Runtime) -> list[tuple[str, int]]:
+    """Rounds left `aggregating` with no failure on record and no close in progress (e.g. a
+    close whose failure could not even be noted). Finishing one twice is harmless: `_finish`
+    holds the task lock, and the second call returns the committed entry."""
+    with rt.transaction() as s:
+        rows = list(s.execute(select(RoundRow.task_id, RoundRow.id)
+                              .where(RoundRow.state == RoundState.AGGREGATING)))
+    return [(t, rid) for t, rid in rows
+            if t not in rt.close_failures and not rt.task_lock(t).locked()]
+
+
 def tick(rt: Runtime, *, auto_open: bool = False) -> list[LogEntryWire]:
     """Close every round that reached its quorum or deadline; expire empty ones at deadline;
-    with `auto_open`, then open the next round of every idle task."""
-    closed: list[LogEntryWire] = []
+    retry failed closes whose backoff passed; with `auto_open`, then open the next round of
+    every idle task. A failing task is recorded and skipped, never blocking the others."""
+    closed = retry_failed_closes(rt)
     for task_id, rid, has_uploads in due_rounds(rt):
         if not has_uploads:
             expire_round(rt, task_id=task_id, round_id=rid)
@@ -302,14 +425,25 @@ def tick(rt: Runtime, *, auto_open: bool = False) -> list[LogEntryWire]:
             closed.append(close_round(rt, task_id=task_id, round_id=rid))
         except (ConflictError, NotFoundError):
             continue  # closed concurrently by an admin or the upload path
+        except Exception:
+            continue  # recorded in rt.close_failures: retried with backoff
     if auto_open:
         open_idle(rt)
     return closed
 
 
 def recover(rt: Runtime) -> list[LogEntryWire]:
-    """Finish every round a crash left `aggregating` (same entry as the interrupted close)."""
+    """Finish every round a crash left `aggregating` (same entry as the interrupted close).
+    A task whose close fails again is recorded for the ticker's retry; the others recover."""
     with rt.transaction() as s:
         pending = list(s.execute(select(RoundRow.task_id, RoundRow.id)
                                  .where(RoundRow.state == RoundState.AGGREGATING)))
-    return [_finish(rt, task_id, rid) for task_id, rid in pending]
+    done: list[LogEntryWire] = []
+    for task_id, rid in pending:
+        try:
+            done.append(_finish(rt, task_id, rid))
+        except ConflictError as e:
+            logger.warning("recovery of round %s of task %s: %s", rid, task_id, e)
+        except Exception:
+            continue  # recorded by _finish: the ticker retries it
+    return done

@@ -7,11 +7,21 @@ import json
 import secrets
 from typing import Any
 
-from seedfed.shared.errors import SeedfedError
+import numpy as np
+from seedfed.shared.errors import ScopeError, SeedfedError
 from seedfed.shared.models import build_model
+from seedfed.shared.probes import ProbeMemoryError, check_task_probes
 from seedfed.shared.replay import checksum
 from seedfed.shared.scopes import scope_epoch
 from seedfed.shared.task import TaskSpec
+from seedfed.shared.wire import (
+    MAX_DIM,
+    MAX_NUM_EXAMPLES,
+    MAX_ROUND,
+    MAX_VERSION,
+    Upload,
+    encode_scalars,
+)
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -19,7 +29,7 @@ from .. import privacy
 from ..errors import InvalidTaskError, NotFoundError, StoreError
 from ..formats import publisher
 from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow
-from ..runtime import Master, Runtime
+from ..runtime import CloseFailure, Master, Runtime
 from ..schemas import TaskStatus
 from ..store import StoredFile
 
@@ -38,6 +48,39 @@ def get_task(session: Session, *, task_id: str) -> TaskRow:
     if task is None:
         raise NotFoundError(f"task {task_id!r} does not exist")
     return task
+
+
+def round_cap_of(task: TaskRow) -> int | None:
+    """Most uploads one round of the task accepts (devices_per_round; None: no cap)."""
+    return task.devices_per_round
+
+
+def largest_upload_bytes(steps: int, perturbations: int) -> int:
+    """Bytes of the largest JSON upload a device can send for a steps x P plan (its
+    numbers at their widest), a little more than the binary form."""
+    if steps > MAX_DIM or perturbations > MAX_DIM:
+        return 4 * steps * perturbations  # refused for its dimensions anyway
+    up = Upload(task_id="f" * 64, round=MAX_ROUND, version=MAX_VERSION,
+                shape=(steps, perturbations), scalars=encode_scalars(
+                    np.zeros((steps, perturbations), dtype=np.float32)),
+                num_examples=MAX_NUM_EXAMPLES, loss=-0.12345678901234567)
+    return len(up.model_dump_json()) + 64  # whitespace a client's JSON writer may add
+
+
+def check_plan_fits(spec: TaskSpec, max_body_bytes: int) -> None:
+    """Refuse a task whose uploads could never pass the body limit (or the wire's MAX_DIM)."""
+    h = spec.hyper
+    if h.steps > MAX_DIM or h.perturbations > MAX_DIM:
+        raise InvalidTaskError(f"steps ({h.steps}) and perturbations ({h.perturbations}) must "
+                               f"each be at most {MAX_DIM}")
+    if 4 * h.steps * h.perturbations > max_body_bytes:
+        need = 4 * h.steps * h.perturbations
+    else:
+        need = largest_upload_bytes(h.steps, h.perturbations)
+    if need > max_body_bytes:
+        raise InvalidTaskError(f"an upload for {h.steps} x {h.perturbations} scalars takes up to "
+                               f"{need} bytes, above the coordinator's body limit of "
+                               f"{max_body_bytes} (max_body_bytes): no device could upload")
 
 
 def get_version(session: Session, *, task_id: str, version: int) -> VersionRow:
@@ -92,8 +135,11 @@ def prune_versions(rt: Runtime, *, task_id: str, version: int) -> list[str]:
 
 def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | None = None,
                 quorum: int = 1, round_timeout_s: float = 600.0,
-                devices_per_round: int | None = None) -> tuple[str, str, int, str]:
-    """Build version 0 of the task's trainable state, store it, and commit the task.
+                devices_per_round: int | None = None,
+                max_devices_per_token: int | None = None) -> tuple[str, str, int, str]:
+    """Build version 0 of the task's trainable state, store it, and commit the task with
+    its first join token (enrolling at most `max_devices_per_token` devices; None: the
+    Settings default).
 
     Returns (task_id, join_token, version 0, checksum).
     """
@@ -106,25 +152,39 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                                                 and devices_per_round < 1):
         raise InvalidTaskError(f"quorum ({quorum}), round_timeout_s ({round_timeout_s}) and "
                                f"devices_per_round ({devices_per_round}) must be positive")
+    if devices_per_round is not None and devices_per_round < quorum:
+        raise InvalidTaskError(f"devices_per_round ({devices_per_round}) is below the quorum "
+                               f"({quorum}): no round could reach its quorum")
+    check_plan_fits(spec, rt.settings.max_body_bytes)
     publisher(spec.format)  # unknown or not yet available formats fail before any work
     try:
         bundle = build_model(spec, initialize=True)
     except Exception as e:  # any loader failure is the spec's fault from the API's view
         raise InvalidTaskError(f"cannot build the task's model from {spec.model_path!r}: "
                                f"{type(e).__name__}: {e}") from e
+    try:  # a scope the loss never reads, or stacked probes a device could not hold
+        check_task_probes(bundle.model, bundle.scope, batch_size=spec.hyper.batch_size,
+                          seq_len=spec.max_seq_len, copies=spec.hyper.probe_copies,
+                          budget_mb=spec.hyper.probe_memory_mb)
+    except (ScopeError, ProbeMemoryError) as e:
+        raise InvalidTaskError(f"invalid task: {e}") from e
+    from .join_tokens import new_join_token  # join_tokens imports this module
+
     task_id = secrets.token_hex(8)
-    join_token = secrets.token_urlsafe(24)
     master = Master(bundle=bundle, version=0)
     chk = checksum(bundle.scope)
     fp32, snap = write_version_files(rt, task_id=task_id, version=0, spec=spec, master=master,
                                      chk=chk)
     with rt.transaction() as s:
-        s.add(TaskRow(id=task_id, name=name or task_id, spec_json=json.dumps(spec.to_dict()),
+        row = TaskRow(id=task_id, name=name or task_id, spec_json=json.dumps(spec.to_dict()),
                       format=spec.format, quorum=quorum, round_timeout_s=round_timeout_s,
-                      devices_per_round=devices_per_round, join_token_hash=hash_token(join_token),
+                      devices_per_round=devices_per_round, join_token_hash="",
                       secret=secrets.token_hex(16), current_version=0,
-                      scope_numel=bundle.scope.numel))
+                      scope_numel=bundle.scope.numel)
+        s.add(row)
         s.flush()
+        _, join_token = new_join_token(s, task_id=task_id, max_devices=max_devices_per_token)
+        row.join_token_hash = hash_token(join_token)  # legacy column; enrolment reads join_tokens
         s.add(VersionRow(task_id=task_id, version=0, round_number=None, seeds_json="[]",
                          coefs=b"", checksum=chk, master_path=fp32.path,
                          master_sha256=fp32.sha256, master_bytes=fp32.nbytes,
@@ -178,7 +238,9 @@ def devices_seen(session: Session, *, task_id: str) -> int:
     return session.scalar(q) or 0
 
 
-def task_status(session: Session, *, task_id: str, delta: float) -> TaskStatus:
+def task_status(session: Session, *, task_id: str, delta: float,
+                failure: CloseFailure | None = None) -> TaskStatus:
+    """The task's status; `failure`: its failing round close, if any (Runtime.close_failures)."""
     task = get_task(session, task_id=task_id)
     spec = spec_of(task)
     version = get_version(session, task_id=task_id, version=task.current_version)
@@ -197,4 +259,7 @@ def task_status(session: Session, *, task_id: str, delta: float) -> TaskStatus:
         quorum=task.quorum, round_timeout_s=task.round_timeout_s,
         devices_per_round=task.devices_per_round, scope=spec.scope, scope_numel=task.scope_numel,
         format=task.format, aggregation=spec.aggregation.rule, epsilon=eps,
-        delta=None if eps is None else delta, created_at=task.created_at)
+        delta=None if eps is None else delta, created_at=task.created_at,
+        close_error=None if failure is None else failure.error,
+        close_attempts=0 if failure is None else failure.attempts,
+        close_retry_at=None if failure is None else failure.retry_at)

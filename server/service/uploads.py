@@ -19,7 +19,7 @@ from datetime import datetime
 import numpy as np
 from pydantic import ValidationError
 from seedfed.shared.errors import ShapeError, WireFormatError
-from seedfed.shared.wire import Upload, encode_scalars, unpack_binary
+from seedfed.shared.wire import MAX_ROUND, Upload, encode_scalars, unpack_binary
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
@@ -32,9 +32,10 @@ from ..errors import (
     NotFoundError,
     PermissionDeniedError,
     RoundClosedError,
+    RoundFullError,
     StaleVersionError,
 )
-from ..orm import DeviceRow, RoundRow, RoundState, UploadRow, utcnow
+from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, utcnow
 from ..runtime import Runtime
 from ..schemas import UploadReceipt
 from .rounds import get_round, open_plan
@@ -79,9 +80,32 @@ def parse_binary_upload(body: bytes, *, task_id: str, round_number: int, version
         raise WireFormatError(f"binary upload headers are invalid: {e.errors()[0]['msg']}") from e
 
 
+def stored_receipt(rt: Runtime, *, task_id: str, round_number: int, device_id: str | None,
+                   token_hash: str | None, upload: Upload) -> UploadReceipt | None:
+    """The receipt of the device's stored upload to round `round_number` if `upload` is
+    byte-identical to it (same digest) and the device is not revoked; else None."""
+    m = upload.matrix()
+    digest = upload_digest(upload.version, m, upload.num_examples, upload.loss)
+    q = (select(UploadRow.digest, UploadRow.received_at, DeviceRow.id, DeviceRow.revoked_at)
+         .join(RoundRow, RoundRow.id == UploadRow.round_id)
+         .join(DeviceRow, DeviceRow.id == UploadRow.device_id)
+         .where(RoundRow.task_id == task_id, RoundRow.number == round_number))
+    q = q.where(DeviceRow.id == device_id) if device_id is not None else \
+        q.where(DeviceRow.token_hash == token_hash)
+    with rt.transaction() as s:
+        row = s.execute(q.limit(1)).first()
+    if row is None or row[0] != digest or row[3] is not None:
+        return None
+    rt.metrics.uploads.labels("duplicate").inc()
+    return UploadReceipt(task_id=task_id, round=round_number, device_id=row[2], digest=row[0],
+                         received_at=row[1])
+
+
 def check_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str | None,
-                 upload: Upload, wire_bytes: int, token_hash: str | None = None) -> PendingUpload:
-    """Validate an upload against the open round (cached: no query on the hot path).
+                 upload: Upload, wire_bytes: int, token_hash: str | None = None
+                 ) -> PendingUpload | UploadReceipt:
+    """Validate an upload against the open round (cached: no query on the hot path). A
+    byte-identical retry to a round that has closed since returns the original receipt.
 
     `device_id=None` with a `token_hash` defers authentication to the write batch, which
     resolves every uncached token of the batch in one query (devices upload once a round, so
@@ -89,6 +113,8 @@ def check_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str
     """
     if device_id is None and token_hash is None:
         raise ValueError("an upload needs a device id or a token hash")
+    if not 0 <= round_number <= MAX_ROUND:
+        raise NotFoundError(f"task {task_id!r} has no round {round_number}")
     if upload.task_id != task_id:
         raise InvalidUploadError(f"upload is for task {upload.task_id!r} but was sent to "
                                  f"task {task_id!r}")
@@ -97,6 +123,12 @@ def check_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str
                                  f"{round_number}")
     hit = open_plan(rt, task_id=task_id)
     if hit is None or hit[1].round != round_number:
+        # Off the hot path: the upload that reached quorum closed its round, so its device's
+        # retry must still get the original receipt.
+        stored = stored_receipt(rt, task_id=task_id, round_number=round_number,
+                                device_id=device_id, token_hash=token_hash, upload=upload)
+        if stored is not None:
+            return stored
         with rt.transaction() as s:
             row = get_round(s, task_id=task_id, number=round_number)
             raise RoundClosedError(f"round {round_number} of task {task_id!r} is {row.state}, "
@@ -180,6 +212,12 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
         for rid in rids - rt.upload_counts.keys():
             rt.upload_counts[rid] = s.scalar(select(func.count()).select_from(UploadRow)
                                              .where(UploadRow.round_id == rid)) or 0
+        uncapped = rids - rt.round_caps.keys()  # usually empty: opening a round caches it
+        if uncapped:
+            for rid, cap in s.execute(select(RoundRow.id, TaskRow.devices_per_round)
+                                      .join(TaskRow, TaskRow.id == RoundRow.task_id)
+                                      .where(RoundRow.id.in_(uncapped))):
+                rt.round_caps[rid] = cap
         counts = {rid: rt.upload_counts[rid] for rid in rids}
         fresh: list[dict[str, object]] = []
         for p in pending:
@@ -203,6 +241,10 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
             elif states.get(p.round_id) != RoundState.OPEN:
                 out.append(RoundClosedError(f"round {p.round} of task {p.task_id!r} is "
                                             f"{states.get(p.round_id)}, not open for uploads"))
+            elif (cap := rt.round_caps.get(p.round_id)) is not None and \
+                    counts[p.round_id] >= cap:
+                out.append(RoundFullError(f"round {p.round} of task {p.task_id!r} already has "
+                                          f"the {cap} uploads its devices_per_round allows"))
             else:
                 m = np.ascontiguousarray(p.matrix, dtype="<f4")
                 fresh.append(dict(round_id=p.round_id, device_id=p.device_id,
@@ -243,6 +285,8 @@ def submit_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: st
     except Exception:
         rt.metrics.uploads.labels("rejected").inc()
         raise
+    if isinstance(p, UploadReceipt):
+        return p
     (result,) = write_uploads(rt, [p])
     if isinstance(result, Exception):
         raise result
@@ -277,6 +321,23 @@ class UploadWriter:
         self._q.put((p, fut))
         return fut
 
+    def _write(self, batch: list[tuple[PendingUpload, concurrent.futures.Future[Outcome]]]
+               ) -> list[Outcome]:
+        """One transaction for the batch; if it fails, each upload alone, so that one row the
+        database refuses fails only its own upload, never the honest ones beside it."""
+        try:
+            return write_uploads(self.rt, [p for p, _ in batch])
+        except Exception as e:
+            if len(batch) == 1:
+                return [e]
+        out: list[Outcome] = []
+        for p, _ in batch:
+            try:
+                out.extend(write_uploads(self.rt, [p]))
+            except Exception as e:  # this row (or the database) is at fault
+                out.append(e)
+        return out
+
     def _run(self) -> None:
         stop = False
         while not stop:
@@ -293,10 +354,7 @@ class UploadWriter:
                     stop = True
                     break
                 batch.append(nxt)
-            try:
-                results: list[Outcome] = write_uploads(self.rt, [p for p, _ in batch])
-            except Exception as e:  # the whole batch failed (database down): tell everyone
-                results = [e] * len(batch)
+            results = self._write(batch)
             self.batches += 1
             for (_, fut), r in zip(batch, results, strict=True):
                 if isinstance(r, Exception):

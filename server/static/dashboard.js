@@ -90,6 +90,9 @@
       roundTimeout: first(t, ["round_timeout_s"]) === null ? null : t.round_timeout_s + " s",
       epsilon: first(t, ["epsilon"]),
       delta: first(t, ["delta"]),
+      closeError: first(t, ["close_error"]),
+      closeAttempts: first(t, ["close_attempts"], 0),
+      closeRetryAt: first(t, ["close_retry_at"]),
     };
   }
 
@@ -180,8 +183,8 @@
       cell(tr, t.format || "–");
       cell(tr, t.aggregation || "–");
       cell(tr, t.version, t.version);
-      cell(tr, t.round === null ? "–" : t.round + (t.roundState ? " (" + t.roundState + ")" : ""),
-        t.round);
+      cell(tr, t.round === null ? "–" : t.round + (t.roundState ? " (" + t.roundState + ")" : "") +
+        (t.closeError ? " · close failing" : ""), t.round, t.closeError ? "close-failing" : null);
       cell(tr, t.devices, t.devices);
       cell(tr, t.devicesSeen, t.devicesSeen);
       tr.tabIndex = 0; // rows are the task picker: reachable and usable from the keyboard
@@ -214,7 +217,11 @@
     setField("checksum", checksum || "–", checksum);
     $('[data-field="checksum"]').title = checksum || "";
     setField("round", current ? String(current.round) : "–", current ? current.round : null);
-    setField("round-state", current ? current.state : "no round yet");
+    // A failing close (retried with backoff by the coordinator) is named, with its error.
+    setField("round-state", t.closeError
+      ? "close failing (attempt " + t.closeAttempts + ", retry " + (t.closeRetryAt || "soon") +
+        "): " + t.closeError
+      : (current ? current.state : "no round yet"));
     const seen = first(stats, ["devices_seen"], t.devicesSeen);
     const enrolled = first(stats, ["devices_enrolled"], t.devices);
     const revoked = first(stats, ["devices_revoked"], 0);

@@ -15,10 +15,11 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client.device_data import DeviceData
-from seedfed.client.flower_app import RECORD, STATE, make_client_app
+from seedfed.client.flower_app import STATE, make_client_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy, payload_bytes
 from seedfed.server.settings import Settings
+from seedfed.shared.records import NUM_EXAMPLES, RECORD
 from seedfed.shared.task import Hyper, TaskSpec
 
 from tests.fleet_helpers import FakeGrid, deliver
@@ -87,7 +88,7 @@ def test_the_reply_holds_scalars_example_count_and_loss_within_budget(fleet: dic
     budget = 4 * STEPS * PERTURBATIONS + 256
     for reply in replies:
         payload = reply.content.config_records[RECORD]
-        assert set(payload.keys()) == {"g", "n", "loss"}
+        assert set(payload.keys()) == {"g", NUM_EXAMPLES, "loss"}
         assert list(reply.content.keys()) == [RECORD]
         assert payload_bytes(reply.content) <= budget
     assert record.upload_bytes == sum(payload_bytes(r.content) for r in replies)

@@ -17,10 +17,11 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client import flower_app
 from seedfed.client.device_data import DeviceData
-from seedfed.client.flower_app import RECORD, STATE, DeviceRuntime, make_client_app
+from seedfed.client.flower_app import STATE, DeviceRuntime, make_client_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy
 from seedfed.server.settings import Settings
+from seedfed.shared.records import RECORD
 from seedfed.shared.ternary import bitlinear_modules
 
 from tests.fleet_helpers import FakeGrid, deliver, ternary_spec
@@ -99,9 +100,9 @@ def test_devices_follow_the_task_across_mask_epoch_starts(fleet: dict,
     assert trained == [{"snapshot-ternary@0"}, {"none"}, {"none"}, {"none"}]
     # the log inside a mask epoch, the ternary snapshot at each epoch start (v2, v4)
     assert synced == [{"entries"}, {"snapshot-ternary@2"}, {"entries"}, {"snapshot-ternary@4"}]
-    packed = flower_app.RUNTIME._ternary
-    assert len(packed) == 1
-    model = next(iter(packed.values())).model
+    devices = list(flower_app.RUNTIME._devices.values())
+    assert len(devices) == 1
+    model = devices[0].model.model
     assert all(m.weight is None and m.packed is not None for _, m in bitlinear_modules(model))
 
 

@@ -98,3 +98,21 @@ def test_a_device_without_a_token_cannot_start(world: dict) -> None:
 
     with pytest.raises(Exception, match="join token"):
         d.enroll()
+
+
+def test_a_stored_state_that_does_not_verify_means_a_snapshot_download(world: dict) -> None:
+    # Arrange: a device at v1 whose state directory no longer matches its checksum
+    coord, task = world["coord"], world["task"]
+    d = world["device"](0)
+    d.enroll()
+    d.train_and_upload(coord.open_round(task))
+    coord.close_round(task)
+    d.sync()
+    d.meta["checksum"] = "f" * 64
+    d.store.write_meta()
+    # Act: the restarted device cannot trust it
+    again = world["device"](0, token=None)
+    result = again.sync()
+    # Assert
+    assert result.method == "snapshot"
+    assert result.checksum == coord.task_status(task).checksum == again.meta["checksum"]

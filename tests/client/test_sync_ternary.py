@@ -60,9 +60,9 @@ class Snapshots:
     def __init__(self, coord: TernaryScope) -> None:
         self.coord, self.fetched = coord, 0
 
-    def __call__(self) -> Mapping[str, torch.Tensor]:
+    def __call__(self) -> tuple[Mapping[str, torch.Tensor], str]:
         self.fetched += 1
-        return publish_ternary(self.coord.read(), self.coord)
+        return publish_ternary(self.coord.read(), self.coord), checksum(self.coord)
 
 
 def test_replays_inside_an_epoch_and_loads_the_snapshot_across_one() -> None:
@@ -73,11 +73,11 @@ def test_replays_inside_an_epoch_and_loads_the_snapshot_across_one() -> None:
     # Act: v0 -> v1 (same epoch), then v1 -> v2 (epoch 1 starts at v2)
     e1 = _commit(coord, 1)
     scope1, r1 = catch_up_ternary(model, scope, task_id=TASK, version=0, target=1,
-                                  target_checksum=e1.checksum or "", config=coord.config,
+                                  config=coord.config,
                                   entries=[e1], snapshot=snapshots)
     e2 = _commit(coord, 2)
     scope2, r2 = catch_up_ternary(model, scope1, task_id=TASK, version=1, target=2,
-                                  target_checksum=e2.checksum or "", config=coord.config,
+                                  config=coord.config,
                                   entries=[e2], snapshot=snapshots)
     # Assert
     assert (r1.method, r2.method, snapshots.fetched) == ("replay", "snapshot", 1)
@@ -93,7 +93,7 @@ def test_diverged_device_falls_back_to_the_snapshot() -> None:
     snapshots = Snapshots(coord)
 
     fresh, result = catch_up_ternary(model, scope, task_id=TASK, version=0, target=1,
-                                     target_checksum=e1.checksum or "", config=coord.config,
+                                     config=coord.config,
                                      entries=[e1], snapshot=snapshots)
 
     assert result.method == "snapshot" and snapshots.fetched == 1
@@ -109,7 +109,6 @@ def test_an_entry_announcing_another_epoch_is_not_replayed() -> None:
     snapshots = Snapshots(coord)
 
     fresh, result = catch_up_ternary(model, scope, task_id=TASK, version=0, target=2,
-                                     target_checksum=checksum(coord),
                                      config=MaskConfig(fraction=0.25, epoch_rounds=10),
                                      entries=entries, snapshot=snapshots)
 

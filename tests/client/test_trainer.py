@@ -56,3 +56,55 @@ def test_classification_loss_on_sequence_classifier():
                      "labels": torch.tensor([0, 1, 0, 1])} for _ in range(2)])
     result = LocalTrainer(model, scope, classification_loss).run(_plan(2, 1), batches)
     assert result.num_examples == 8 and np.all(np.isfinite(result.scalars))
+
+
+def _lora_llama_scope():  # noqa: ANN202
+    from seedfed.shared.models import apply_lora
+    from seedfed.shared.task import LoraOptions
+
+    model = apply_lora(tiny_llama(), LoraOptions(r=2, target_modules=("q_proj", "v_proj")),
+                       "causal_lm")
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.requires_grad_(False)
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, build_scope("lora", model)
+
+
+def test_default_trainer_batches_probes_with_the_sequential_scalars():
+    model, scope = _lora_llama_scope()
+    before = checksum(scope)
+    plan = _plan(steps=2, p=4)
+
+    fast = LocalTrainer(model, scope, causal_lm_loss).run(plan, _lm_batches(2))
+    shared = LocalTrainer(model, scope, causal_lm_loss, probes="shared").run(plan, _lm_batches(2))
+    slow = LocalTrainer(model, scope, causal_lm_loss, probes="sequential").run(
+        plan, _lm_batches(2))
+
+    np.testing.assert_allclose(fast.scalars, slow.scalars, atol=2e-3, rtol=1e-3)
+    assert np.array_equal(shared.scalars, slow.scalars)
+    assert fast.forwards == slow.forwards == 16 and fast.model_calls == 4 < slow.model_calls
+    assert fast.copies_per_forward == 7 and checksum(scope) == before
+
+
+def test_trainer_refuses_unknown_probe_modes_and_batching_without_a_copy_loss():
+    model, scope = _lora_llama_scope()
+    with pytest.raises(ValueError, match="probes must be"):
+        LocalTrainer(model, scope, causal_lm_loss, probes="fast")
+    with pytest.raises(ValueError, match="copy_losses"):
+        LocalTrainer(model, scope, lambda m, b: causal_lm_loss(m, b), probes="batched")
+
+
+def test_copy_losses_equal_the_loss_of_each_copy():
+    from seedfed.client.trainer import causal_lm_losses
+    from seedfed.shared.probes import repeat_batch
+
+    model = tiny_llama()
+    batch = next(_lm_batches(1))
+    with torch.no_grad():
+        one = float(causal_lm_loss(model, batch))
+        three = causal_lm_losses(model, repeat_batch(batch, 3), 3)
+
+    np.testing.assert_allclose(three.numpy(), [one] * 3, rtol=1e-5)

@@ -81,10 +81,9 @@ class Device:
             e.to_entry() for e in coord.log_since(task_id, self.version)]
         scope, result = catch_up_ternary(
             self.model, self.scope, task_id=task_id, version=self.version,
-            target=status.version, target_checksum=status.checksum, config=config,
-            entries=entries,
-            snapshot=lambda: read_snapshot(coord.snapshot(task_id, status.version,
-                                                          "ternary")[0]))
+            target=status.version, config=config, entries=entries,
+            snapshot=lambda: (read_snapshot(coord.snapshot(task_id, status.version,
+                                                           "ternary")[0]), status.checksum))
         if scope is not self.scope:
             self.trainer = LocalTrainer(self.model, scope, causal_lm_loss)
         self.syncs.append((-1 if self.version is None else self.version, result))

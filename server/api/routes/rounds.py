@@ -6,23 +6,27 @@ from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request, status
 from fastapi.concurrency import run_in_threadpool
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import MAX_NUM_EXAMPLES, MAX_VERSION, LogEntryWire, RoundPlan, Upload
 
 from ... import service
 from ...errors import NotFoundError
 from ...schemas import UploadReceipt
 from ..deps import AdminDep, DeviceCredential, ReaderDep, RuntimeDep, WriterDep
 from ..ingest import ingest
+from ..openapi import RoundPath, TaskIdPath, errors
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/rounds", tags=["rounds"])
 
 _UPLOAD_DOC: dict[str, Any] = {
+    # Strings on the wire (headers); the same ranges as the JSON form's fields.
     "parameters": [{"name": name, "in": "header", "required": False,
-                    "schema": {"type": "string"},
-                    "description": "binary form only: " + what}
-                   for name, what in (("X-Seedfed-Version", "model version (int)"),
-                                      ("X-Seedfed-Num-Examples", "example count (int)"),
-                                      ("X-Seedfed-Loss", "mean loss (float)"))],
+                    "schema": {"type": "string", "maxLength": 32},
+                    "description": "binary form only (required with it): " + what}
+                   for name, what in (
+                       ("X-Seedfed-Version", f"model version, integer 0..{MAX_VERSION}"),
+                       ("X-Seedfed-Num-Examples",
+                        f"example count, integer 1..{MAX_NUM_EXAMPLES}"),
+                       ("X-Seedfed-Loss", "mean loss, a finite float"))],
     "requestBody": {
         "required": True,
         "content": {
@@ -39,14 +43,15 @@ _UPLOAD_DOC: dict[str, Any] = {
 }
 
 
-@router.post("", response_model=RoundPlan, status_code=status.HTTP_201_CREATED)
-async def open_round(task_id: str, rt: RuntimeDep, _: AdminDep) -> RoundPlan:
+@router.post("", response_model=RoundPlan, status_code=status.HTTP_201_CREATED,
+             responses=errors(401, 404, 409, 422))
+async def open_round(task_id: TaskIdPath, rt: RuntimeDep, _: AdminDep) -> RoundPlan:
     """Open the next round (or return the round already open)."""
     return await run_in_threadpool(service.open_round, rt, task_id=task_id)
 
 
-@router.get("/current", response_model=RoundPlan)
-async def current(task_id: str, rt: RuntimeDep, _: ReaderDep) -> RoundPlan:
+@router.get("/current", response_model=RoundPlan, responses=errors(401, 403, 404, 422))
+async def current(task_id: TaskIdPath, rt: RuntimeDep, _: ReaderDep) -> RoundPlan:
     """The open round's plan: version, seeds (steps x perturbations), lr, eps, deadline."""
     hit = rt.plan_cache.get(task_id)
     plan = hit[1] if hit is not None else await run_in_threadpool(
@@ -56,17 +61,19 @@ async def current(task_id: str, rt: RuntimeDep, _: ReaderDep) -> RoundPlan:
     return plan
 
 
-@router.post("/{round_number}/close", response_model=LogEntryWire)
-async def close(task_id: str, round_number: int, rt: RuntimeDep, _: AdminDep) -> LogEntryWire:
+@router.post("/{round_number}/close", response_model=LogEntryWire,
+             responses=errors(401, 404, 409, 422, 500))
+async def close(task_id: TaskIdPath, round_number: RoundPath, rt: RuntimeDep,
+                _: AdminDep) -> LogEntryWire:
     """Aggregate what arrived and commit the new version (the round's log entry)."""
     return await run_in_threadpool(service.close_round, rt, task_id=task_id,
                                    number=round_number)
 
 
 @router.post("/{round_number}/uploads", response_model=UploadReceipt,
-             openapi_extra=_UPLOAD_DOC)
+             responses=errors(400, 401, 403, 404, 409, 413, 422), openapi_extra=_UPLOAD_DOC)
 async def upload(
-    task_id: str, round_number: int, request: Request, device: DeviceCredential,
+    task_id: TaskIdPath, round_number: RoundPath, request: Request, device: DeviceCredential,
     rt: RuntimeDep, writer: WriterDep, background: BackgroundTasks,
 ) -> UploadReceipt:
     """Upload a device's scalars for the round: JSON `Upload`, or the binary form.

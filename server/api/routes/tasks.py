@@ -6,37 +6,43 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 from fastapi.concurrency import run_in_threadpool
+from seedfed.shared.wire import MAX_VERSION
 
 from ... import service
 from ...schemas import CatchupPlan, RoundMetrics, TaskCreate, TaskCreated, TaskStats, TaskStatus
 from ..deps import AdminDep, ReaderDep, RuntimeDep, SessionDep, StatsReaderDep
+from ..openapi import TaskIdPath, errors
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=TaskCreated)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=TaskCreated,
+             responses=errors(400, 401, 413, 422))
 async def create_task(body: TaskCreate, rt: RuntimeDep, _: AdminDep) -> TaskCreated:
     """Create a task from a local Hugging Face model directory; builds and stores version 0.
     The join token in the answer is shown once."""
     task_id, join, version, chk = await run_in_threadpool(
         service.create_task, rt, spec=body.spec, name=body.name, quorum=body.quorum,
-        round_timeout_s=body.round_timeout_s, devices_per_round=body.devices_per_round)
+        round_timeout_s=body.round_timeout_s, devices_per_round=body.devices_per_round,
+        max_devices_per_token=body.max_devices_per_token)
     return TaskCreated(task_id=task_id, join_token=join, version=version, checksum=chk)
 
 
-@router.get("", response_model=list[TaskStatus])
+@router.get("", response_model=list[TaskStatus], responses=errors(401))
 def list_tasks(session: SessionDep, rt: RuntimeDep, _: StatsReaderDep) -> list[TaskStatus]:
-    return [service.task_status(session, task_id=t.id, delta=rt.settings.dp_delta)
+    return [service.task_status(session, task_id=t.id, delta=rt.settings.dp_delta,
+                                failure=rt.close_failures.get(t.id))
             for t in service.list_tasks(session)]
 
 
-@router.get("/{task_id}", response_model=TaskStatus)
-def get_task(task_id: str, session: SessionDep, rt: RuntimeDep, _: ReaderDep) -> TaskStatus:
-    return service.task_status(session, task_id=task_id, delta=rt.settings.dp_delta)
+@router.get("/{task_id}", response_model=TaskStatus, responses=errors(401, 403, 404, 422))
+def get_task(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep, _: ReaderDep) -> TaskStatus:
+    return service.task_status(session, task_id=task_id, delta=rt.settings.dp_delta,
+                               failure=rt.close_failures.get(task_id))
 
 
-@router.get("/{task_id}/spec")
-def task_spec(task_id: str, session: SessionDep, _: ReaderDep) -> dict[str, Any]:
+@router.get("/{task_id}/spec", responses=errors(401, 403, 404, 422))
+def task_spec(task_id: TaskIdPath, session: SessionDep, _: ReaderDep) -> dict[str, Any]:
     """The task definition (TaskSpec as JSON) a device builds its model and scope from; the
     device substitutes its own copy of the base model for `model_path`."""
     from ...service.tasks import get_task, spec_of
@@ -44,23 +50,28 @@ def task_spec(task_id: str, session: SessionDep, _: ReaderDep) -> dict[str, Any]
     return spec_of(get_task(session, task_id=task_id)).to_dict()
 
 
-@router.get("/{task_id}/stats", response_model=TaskStats)
-def task_stats(task_id: str, session: SessionDep, rt: RuntimeDep,
+@router.get("/{task_id}/stats", response_model=TaskStats, responses=errors(401, 404, 422))
+def task_stats(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep,
                _: StatsReaderDep) -> TaskStats:
     """Per-round participation, loss and bytes (the dashboard's data)."""
     return service.task_stats(session, task_id=task_id, delta=rt.settings.dp_delta)
 
 
-@router.get("/{task_id}/rounds", response_model=list[RoundMetrics])
-def rounds(task_id: str, session: SessionDep, _: StatsReaderDep) -> list[RoundMetrics]:
+@router.get("/{task_id}/rounds", response_model=list[RoundMetrics],
+            responses=errors(401, 404, 422))
+def rounds(task_id: TaskIdPath, session: SessionDep, _: StatsReaderDep) -> list[RoundMetrics]:
     return service.round_metrics(session, task_id=task_id)
 
 
-@router.get("/{task_id}/catchup", response_model=CatchupPlan)
-def catchup(task_id: str, session: SessionDep, _: ReaderDep,
-            from_version: Annotated[int, Query(alias="from", ge=0)],
-            bandwidth: Annotated[float, Query(gt=0, description="device bytes/s")] = 2e6,
-            regen_rate: Annotated[float, Query(gt=0, description="elements/s")] = 1e8,
+@router.get("/{task_id}/catchup", response_model=CatchupPlan,
+            responses=errors(401, 403, 404, 422))
+def catchup(task_id: TaskIdPath, session: SessionDep, _: ReaderDep,
+            from_version: Annotated[int, Query(alias="from", ge=0, le=MAX_VERSION)],
+            # Bounded so that every estimate (bytes / rate) is a finite JSON number.
+            bandwidth: Annotated[float, Query(ge=1, le=1e15, description="device bytes/s")
+                                 ] = 2e6,
+            regen_rate: Annotated[float, Query(ge=1, le=1e15, description="elements/s")
+                                  ] = 1e8,
             ) -> CatchupPlan:
     """Replay the log or download the latest snapshot, whichever the device's bandwidth and
     regeneration rate make cheaper."""

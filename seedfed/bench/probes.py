@@ -1,0 +1,163 @@
+"""`seedfed bench probes`: time per scalar and peak memory of sequential vs batched ZO probes.
+
+Each case runs in its own process (`probes_worker`), so one case's freed pages cannot hide
+another's peak. Cases: on MiniLM (batch 16) the head, LoRA on the top layer's query/value,
+LoRA on every layer's query/value and the int8 scales of the top layer (QZO); on a
+SmolLM-135M-shaped Llama built from config (batch 8 x 64), LoRA r=8 on q/v of every layer.
+Modes: `sequential` is today's `spsa_step` (one full forward per probe, the model's own feature
+cache), `batched` is `seedfed.shared.probes` (shared prefix + stacked copies within the default
+memory budget). A depth sweep times P = 8 for scopes whose lowest perturbed tensor sits ever
+higher in MiniLM (with `shared` = prefix sharing, one copy per forward, beside them).
+`--quick` swaps in tiny models built from config (CI: under a minute, no checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
+LLAMA_CASE = "lora_r8"
+P_VALUES = (1, 2, 4, 8, 16, 32)
+QUICK_P = (1, 2, 4)
+#: (what, limit) of the issue's targets.
+TARGET_SPEED = 0.5  # batched P=8 / sequential ms per scalar, LoRA on MiniLM's top layer
+TARGET_MEMORY = 1.10  # batched step peak / inference peak
+
+
+def _worker(case: str, ps: tuple[int, ...], repeats: int, threads: int | None, quick: bool,
+            timeout: float = 7200) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "seedfed.bench.probes_worker", case,
+           "--p", ",".join(map(str, ps)), "--repeats", str(repeats),
+           "--threads", str(threads or 0)] + (["--quick"] if quick else [])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"probe benchmark worker {case} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _row(results: list[dict[str, Any]], scope: str, mode: str, p: int) -> dict[str, Any] | None:
+    for r in results:
+        if r["scope"] == scope and r["mode"] == mode and r["P"] == p:
+            return r
+    return None
+
+
+def run_probes(quick: bool = False, repeats: int | None = None, threads: int | None = None,
+               ps: tuple[int, ...] | None = None, llama_ps: tuple[int, ...] | None = None,
+               sweep: bool = True, progress: Any = None) -> dict[str, Any]:
+    """Run every case and return the JSON object (`inference_peak_mb`, `results`, ...)."""
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    started = time.time()
+    repeats = repeats or (1 if quick else 3)
+    ps = ps or (QUICK_P if quick else P_VALUES)
+    llama_ps = llama_ps or ps
+    results: list[dict[str, Any]] = []
+    inference: dict[str, float] = {}
+    batches: dict[str, Any] = {}
+    for case in (*MINILM_CASES, LLAMA_CASE):
+        say(case)
+        out = _worker(case, llama_ps if case == LLAMA_CASE else ps, repeats, threads, quick)
+        for r in out["results"]:
+            r.pop("samples", None) if quick else None
+        results += out["results"]
+        key = f"{out['results'][0]['model']}/{case}"
+        inference[key] = out["inference_peak_mb"]
+        batches[key] = out["batch"]
+    result: dict[str, Any] = {"inference_peak_mb": inference, "results": results,
+                              "batches": batches, "quick": quick, "repeats": repeats}
+    if sweep:
+        say("depth sweep")
+        result["depth_sweep"] = _worker("sweep", (8,), repeats, threads, quick)["results"]
+    seq = _row(results, "lora_top", "sequential", 8) or _row(results, "lora_top",
+                                                              "sequential", max(ps))
+    bat = _row(results, "lora_top", "batched", 8) or _row(results, "lora_top", "batched",
+                                                          max(ps))
+    speed = bat["ms_per_scalar"] / seq["ms_per_scalar"] if seq and bat else float("nan")
+    worst = max(r["peak_vs_inference"] for r in results if r["mode"] == "batched")
+    result["targets"] = {
+        "lora_top_batched_vs_sequential": {
+            "value": speed, "limit": f"<= {TARGET_SPEED}", "met": speed <= TARGET_SPEED,
+            "what": f"LoRA on MiniLM's top layer: batched P={bat['P'] if bat else '-'} ms per "
+                    "scalar / sequential"},
+        "batched_peak_vs_inference": {
+            "value": worst, "limit": f"<= {TARGET_MEMORY}", "met": worst <= TARGET_MEMORY,
+            "what": "worst batched step peak RSS / the case's inference peak RSS"},
+    }
+    result["env"] = {"python": platform.python_version(), "machine": platform.machine(),
+                     "cpus": os.cpu_count(), "threads": threads,
+                     "loadavg_end": os.getloadavg(), "wall_s": time.time() - started}
+    return result
+
+
+def render(result: dict[str, Any]) -> Any:
+    """A rich table: per case and P, both modes side by side, then the depth sweep."""
+    from rich.table import Table
+
+    table = Table(title="seedfed probe benchmark (ms per scalar, peak RSS)")
+    for col in ("model", "scope", "P", "seq ms", "batched ms", "ratio", "copies/fwd",
+                "seq peak MB", "batched peak MB", "x inference"):
+        table.add_column(col, justify="left" if col in ("model", "scope") else "right")
+    results = result["results"]
+    for r in results:
+        if r["mode"] != "sequential":
+            continue
+        b = _row(results, r["scope"], "batched", r["P"])
+        if b is None:
+            continue
+        table.add_row(r["model"], r["scope"], str(r["P"]), f"{r['ms_per_scalar']:.2f}",
+                      f"{b['ms_per_scalar']:.2f}", f"{b['ms_per_scalar'] / r['ms_per_scalar']:.2f}",
+                      str(b["copies_per_forward"]), f"{r['peak_mb']:.0f}", f"{b['peak_mb']:.0f}",
+                      f"{b['peak_vs_inference']:.3f}")
+    tables = [table]
+    if result.get("depth_sweep"):
+        sweep = Table(title="MiniLM, P = 8: ms per scalar as the lowest perturbed tensor rises")
+        for col in ("scope", "sequential", "shared", "batched", "batched / sequential"):
+            sweep.add_column(col, justify="left" if col == "scope" else "right")
+        rows: dict[str, dict[str, float]] = {}
+        for r in result["depth_sweep"]:
+            rows.setdefault(r["scope"], {})[r["mode"]] = r["ms_per_scalar"]
+        for scope, v in rows.items():
+            sweep.add_row(scope, f"{v['sequential']:.2f}", f"{v['shared']:.2f}",
+                          f"{v['batched']:.2f}", f"{v['batched'] / v['sequential']:.2f}")
+        tables.append(sweep)
+    verdicts = Table(title="targets")
+    for col in ("target", "value", "limit", "met"):
+        verdicts.add_column(col)
+    for t in result["targets"].values():
+        verdicts.add_row(t["what"], f"{t['value']:.3f}", t["limit"],
+                         "[green]met[/]" if t["met"] else "[red]MISSED[/]")
+    tables.append(verdicts)
+    return tables
+
+
+def main(quick: bool = False, json_path: Path | None = None, repeats: int | None = None,
+         threads: int | None = None, ps: tuple[int, ...] | None = None,
+         llama_ps: tuple[int, ...] | None = None, sweep: bool = True) -> int:
+    """Run, print the tables, write JSON; returns the number of missed targets."""
+    from rich.console import Console
+
+    console = Console()
+    with console.status("probe benchmark") as status:
+        result = run_probes(quick, repeats, threads, ps, llama_ps, sweep,
+                            progress=lambda msg: status.update(f"probe benchmark: {msg}"))
+    for table in render(result):
+        console.print(table)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        console.print(f"wrote {json_path}")
+    return sum(not t["met"] for t in result["targets"].values())

@@ -1,0 +1,164 @@
+"""The coordinator's HTTP contract: the error body, the documented statuses of each route, and
+the ranges of path and query parameters.
+
+Every error the service answers, whatever raised it (a typed domain error, FastAPI's request
+validation, Starlette's routing, the body limit), has one JSON body, `ErrorBody`, so a client
+or a schema-driven fuzzer can rely on the OpenAPI document: each route lists the statuses it
+can return with that schema (`responses=errors(...)` on the route decorators).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
+
+from fastapi import Path
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from seedfed.shared.wire import MAX_ROUND, MAX_VERSION
+
+#: Rounds and versions have the wire's ranges (32-bit INTEGER columns): a larger number cannot
+#: name a stored row, and refusing it here keeps it away from the database driver, which
+#: raises on integers it cannot bind (>= 2**63 on SQLite).
+MAX_INDEX = min(MAX_ROUND, MAX_VERSION)
+
+#: Task and device ids are 16 hex digits (`secrets.token_hex(8)`); the pattern is looser (URL
+#: unreserved characters) so that an unknown but well-formed id is a 404, while NUL and other
+#: control bytes, which PostgreSQL text cannot hold, are a 422 before any query.
+ID_PATTERN = r"^[A-Za-z0-9._~-]{1,64}$"
+
+TaskIdPath = Annotated[str, Path(pattern=ID_PATTERN, description="task id (16 hex digits)")]
+DeviceIdPath = Annotated[str, Path(pattern=ID_PATTERN, description="device id")]
+RoundPath = Annotated[int, Path(ge=0, le=MAX_ROUND, description="round number")]
+VersionPath = Annotated[int, Path(ge=0, le=MAX_VERSION, description="model version")]
+
+
+class ValidationIssue(BaseModel):
+    """One problem of a request that failed validation (422 `RequestValidationError`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer: what is wrong, and the error's type name (e.g.
+    `NotFoundError`, `RequestValidationError`, `PayloadTooLargeError`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    detail: str
+    error: str
+    #: Request validation only: each offending field (the input itself is not echoed).
+    errors: list[ValidationIssue] | None = None
+
+
+_WHAT = {
+    400: "Malformed request: broken JSON or binary upload headers, unreadable body",
+    401: "Missing, unknown or revoked token (admin token, device token or join token)",
+    403: "A device token of another task",
+    404: "Unknown task, device, round or version (or a pruned snapshot)",
+    409: "Conflicts with the current state: closed or aggregating round, stale version, a "
+         "different second upload, an empty round",
+    413: "Request body above the coordinator's max_body_bytes",
+    422: "Invalid request: a parameter or body outside its schema or range, or an upload that "
+         "breaks the round's rules (shape, non-finite or too large scalars, task or round "
+         "mismatch, bad task spec)",
+    500: "Internal error: a model store file is missing or does not match the database",
+    503: "The database or the model store is unavailable (down, locked, disk full); nothing "
+         "was half-written, retry after the Retry-After seconds",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each status with the ErrorBody schema and what it means.
+    503 is always included: every route that lists errors reads the database."""
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorBody, "description": _WHAT[code]} for code in (*codes, 503)}
+    out[503]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
+                                           "description": "seconds to wait"}}
+    return out
+
+
+def _clean(text: str) -> str:
+    # A lone surrogate (JSON allows "\ud800") cannot be encoded as UTF-8; an error message that
+    # echoes one must not turn a 4xx into a 500 while it is rendered.
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def error_payload(detail: str, error: str,
+                  issues: Sequence[Mapping[str, Any]] | None = None) -> bytes:
+    """The UTF-8 JSON bytes of an ErrorBody (also used by the ASGI fast path and BodyLimit)."""
+    body: dict[str, Any] = {"detail": _clean(detail), "error": error}
+    if issues is not None:
+        body["errors"] = [{"loc": [_clean(p) if isinstance(p, str) else p
+                                   for p in i.get("loc", ())],
+                           "msg": _clean(str(i.get("msg", ""))),
+                           "type": _clean(str(i.get("type", "")))} for i in issues]
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+class ErrorResponse(JSONResponse):
+    """A JSONResponse whose content is already the encoded ErrorBody."""
+
+    def render(self, content: Any) -> bytes:
+        assert isinstance(content, bytes)
+        return content
+
+
+def error_response(code: int, detail: str, error: str, *,
+                   issues: Sequence[Mapping[str, Any]] | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return ErrorResponse(error_payload(detail, error, issues), status_code=code,
+                         headers=dict(headers) if headers else None)
+
+
+def validation_issues(errs: Sequence[Any]) -> tuple[str, list[dict[str, Any]]]:
+    """(one-line summary, issues) of pydantic/FastAPI validation errors, at most 20 of them."""
+    issues: list[dict[str, Any]] = []
+    for e in errs:
+        issue = {"loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())],
+                 "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+        # A path parameter that a dependency declares too is reported once per declaration.
+        if issue not in issues:
+            issues.append(issue)
+        if len(issues) == 20:
+            break
+    summary = "; ".join(f"{'.'.join(str(p) for p in i['loc']) or 'request'}: {i['msg']}"
+                        for i in issues[:5])
+    return summary or "invalid request", issues
+
+
+def install(app: Any) -> None:
+    """Make the app's OpenAPI document say what the app answers, for routes that did not list
+    their errors: FastAPI adds a default 422 with its own `HTTPValidationError` body, but the
+    app's handler answers an ErrorBody (seedfed.server.app); any such 422 is rewritten."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema  # type: ignore[no-any-return]
+        doc: dict[str, Any] = build()
+        ref = "#/components/schemas/ErrorBody"
+        for ops in doc.get("paths", {}).values():
+            for op in ops.values():
+                resp = op.get("responses", {}).get("422")
+                schema = (resp or {}).get("content", {}).get("application/json", {}) \
+                    .get("schema", {})
+                if schema.get("$ref", "").endswith("/HTTPValidationError"):
+                    resp["content"]["application/json"]["schema"] = {"$ref": ref}
+                    resp["description"] = _WHAT[422]
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        if "ErrorBody" not in schemas:
+            schemas.update(ErrorBody.model_json_schema(ref_template="#/components/schemas/"
+                                                                    "{model}").pop("$defs"))
+            schemas["ErrorBody"] = ErrorBody.model_json_schema(
+                ref_template="#/components/schemas/{model}")
+            schemas["ErrorBody"].pop("$defs", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi

@@ -1,0 +1,79 @@
+"""Join tokens: how devices enroll in a task. Each task has one or more (rotation makes a new
+one and revokes the others); each enrolls at most `max_devices` devices, so a leaked token
+cannot flood a task with devices. Tokens are 192-bit random strings stored as SHA-256."""
+
+from __future__ import annotations
+
+import secrets
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
+from ..orm import JoinTokenRow, utcnow
+from ..runtime import Runtime
+from .tasks import get_task, hash_token
+
+
+def new_join_token(s: Session, *, task_id: str, max_devices: int | None) -> tuple[str, str]:
+    """Add a join token to the task in session `s`: (token id, token shown once)."""
+    token_id, token = secrets.token_hex(8), secrets.token_urlsafe(24)
+    s.add(JoinTokenRow(id=token_id, task_id=task_id, token_hash=hash_token(token),
+                       max_devices=max_devices, enrolled=0, created_at=utcnow()))
+    return token_id, token
+
+
+def create_join_token(rt: Runtime, *, task_id: str, max_devices: int | None = None,
+                      revoke_others: bool = True) -> tuple[str, str, list[str]]:
+    """A new join token (rotation when `revoke_others`): (id, token, ids revoked)."""
+    with rt.transaction() as s:
+        get_task(s, task_id=task_id)
+        revoked: list[str] = []
+        if revoke_others:
+            revoked = list(s.scalars(select(JoinTokenRow.id).where(
+                JoinTokenRow.task_id == task_id, JoinTokenRow.revoked_at.is_(None))))
+            s.execute(update(JoinTokenRow).where(JoinTokenRow.id.in_(revoked))
+                      .values(revoked_at=utcnow()))
+        token_id, token = new_join_token(s, task_id=task_id, max_devices=max_devices)
+    return token_id, token, revoked
+
+
+def list_join_tokens(session: Session, *, task_id: str) -> list[JoinTokenRow]:
+    get_task(session, task_id=task_id)
+    return list(session.scalars(select(JoinTokenRow).where(JoinTokenRow.task_id == task_id)
+                                .order_by(JoinTokenRow.created_at, JoinTokenRow.id)))
+
+
+def revoke_join_token(rt: Runtime, *, task_id: str, token_id: str) -> None:
+    """Stop a join token enrolling devices (idempotent); its devices stay enrolled."""
+    with rt.transaction() as s:
+        row = s.get(JoinTokenRow, token_id)
+        if row is None or row.task_id != task_id:
+            get_task(s, task_id=task_id)
+            raise NotFoundError(f"task {task_id!r} has no join token {token_id!r}")
+        if row.revoked_at is None:
+            row.revoked_at = utcnow()
+
+
+def limit_of(rt: Runtime, row: JoinTokenRow) -> int:
+    return rt.settings.max_devices_per_join_token if row.max_devices is None else row.max_devices
+
+
+def claim_enrolment(rt: Runtime, s: Session, *, task_id: str, join_token: str) -> str:
+    """Check `join_token` for the task and count one enrolment against its limit, atomically
+    (a conditional UPDATE, so concurrent enrolments cannot pass the limit). Its id."""
+    row = s.scalars(select(JoinTokenRow).where(
+        JoinTokenRow.token_hash == hash_token(join_token))).first()
+    # The lookup is by the hash of a 192-bit random token: its timing reveals nothing usable.
+    if row is None or row.task_id != task_id:
+        raise AuthenticationError(f"wrong join token for task {task_id!r}")
+    if row.revoked_at is not None:
+        raise AuthenticationError(f"this join token of task {task_id!r} has been revoked")
+    cap = limit_of(rt, row)
+    moved = s.execute(update(JoinTokenRow).where(
+        JoinTokenRow.id == row.id, JoinTokenRow.enrolled < cap).values(
+        enrolled=JoinTokenRow.enrolled + 1)).rowcount  # type: ignore[attr-defined]
+    if moved != 1:
+        raise PermissionDeniedError(f"this join token of task {task_id!r} has enrolled the "
+                                    f"{cap} devices it allows; ask the operator for a new one")
+    return row.id

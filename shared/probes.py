@@ -1,0 +1,617 @@
+"""Cheap probes for any scope: a prefix shared by every probe of a step, many perturbations per
+forward (MobiZO's MP-LoRA / P-RGE idea, for any model and scope).
+
+Usage (a device's ZO step; `client.trainer.LocalTrainer` does this by default)::
+
+    engine = ProbeEngine(model, scope, classification_loss, classification_losses)
+    result = engine_step(engine, batch, seeds, ZOConfig(lr=..., eps=..., perturbations=P))
+    # result.g: the float32 scalars spsa_step would give (to float tolerance), theta updated in
+    # plan order with the same arithmetic; result.copies_per_forward, result.model_calls.
+
+    losses = engine.losses(batch, [(seed, +eps), (seed, -eps), None])  # any probes, None = theta
+
+How a step runs:
+
+1. *Recording pass.* The step's first probe runs as an ordinary sequential probe (the
+   `Perturber`), with hooks on every module and a torch-function mode that tracks which tensors
+   depend on the perturbed tensors ("tainted"). A module that runs once, holds no scoped tensor
+   and whose inputs are all untainted computes the same output for every probe of the step:
+   its output is kept. Nothing is model-specific: for MiniLM with LoRA on layer 5's query and
+   value, layers 0-4, the key projection and the frozen base matmuls `x W` of query and value are
+   kept; with only `output.dense` of layer 5 perturbed, everything up to that module's input.
+2. *Shared prefix.* Every later probe of the step runs with the kept modules replaced by their
+   outputs, so only the part of the model that depends on theta + eps z runs again.
+3. *Batched copies.* With a per-copy loss (`CopyLosses`), up to `copies_per_forward` probes are
+   stacked along the batch dimension in one forward: kept outputs are repeated, the frozen
+   layers above them run once over all copies, and each module owning scoped tensors runs per
+   copy on its slice with that copy's perturbed tensors (`perturbed_copy`, the bits the
+   sequential path adds), so z comes from the shared stream exactly as in `spsa_step`.
+   `copies_per_forward` comes from a memory budget (`budget_mb` of extra activations, estimated
+   from the recording pass); a `max_copies` above what the budget allows is lowered with a
+   warning and reported in `ProbeStats.limited`. The scalars are the same either way.
+
+Scalars equal the sequential estimator's to float tolerance (batched matmuls and per-copy loss
+reductions round differently); seeds, z, the upload and the coordinator's replay are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .errors import SeedfedError
+from .estimator import StepResult, ZOConfig, projected_gradient
+from .perturb import Perturber, perturbed_copy
+from .replay import apply_seeds, update_coefficients
+from .scopes import Scope, ScopedTensor
+from .task import DEFAULT_PROBE_MEMORY_MB
+
+log = logging.getLogger(__name__)
+
+Batch = Mapping[str, torch.Tensor]
+LossOnBatch = Callable[[nn.Module, Batch], torch.Tensor]
+#: (model, batch repeated `copies` times along dim 0, copies) -> the `copies` mean losses.
+CopyLosses = Callable[[nn.Module, Batch, int], torch.Tensor]
+#: (seed, scale): the forward sees theta + scale * z(seed); None: theta itself.
+Probe = tuple[int, float] | None
+
+#: Extra activation memory a batched forward may use beyond one probe's (MB).
+DEFAULT_BUDGET_MB = DEFAULT_PROBE_MEMORY_MB
+#: Live activations of one copy, as a multiple of the largest module output it produces
+#: (a transformer block holds its input, the FFN's wide activation and one temporary).
+ACTIVATION_FACTOR = 3.0
+
+
+class ProbeMemoryError(SeedfedError, ValueError):
+    """The memory a probe needs does not fit the budget the device grants."""
+
+
+class UnbatchableError(SeedfedError, RuntimeError):
+    """A module owning scoped tensors cannot be split per copy (the engine then runs probes
+    one at a time, still with the shared prefix)."""
+
+
+@dataclass
+class ProbeStats:
+    """What the last `losses` call did."""
+
+    probes: int = 0
+    model_calls: int = 0
+    copies_per_forward: int = 1
+    shared_modules: int = 0  # modules replaced by their recorded output
+    shared_mb: float = 0.0
+    per_copy_mb: float = 0.0
+    limited: bool = False  # max_copies was lowered to fit the memory budget
+    fallback: str | None = None  # why probes ran one at a time although copies were asked
+
+
+@dataclass(frozen=True)
+class ProbeEstimate:
+    """What `ProbeEngine.inspect` measured on one batch."""
+
+    reaches_loss: bool  # some scoped tensor influences the loss
+    shared_bytes: int  # outputs kept for the step (the shared prefix)
+    per_copy_bytes: int  # activations of one more stacked copy (estimate)
+
+    def bytes_for(self, copies: int) -> int:
+        """Extra memory of `copies` stacked copies beyond a single probe's forward (one copy
+        per forward keeps the shared outputs too, but is never refused for them)."""
+        return 0 if copies <= 1 else self.shared_bytes + (copies - 1) * self.per_copy_bytes
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    count: int = 0
+    tainted_input: bool = False
+    rows: int | None = None  # dim 0 of the first tensor input (the batch, for most modules)
+    output: Any = None
+    out_bytes: int = 0
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside nested tuples, lists and dicts (HF ModelOutputs are dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+    elif depth < 4 and isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from _tensors(o, depth + 1)
+
+
+def _first_rows(args: Any, kwargs: Any) -> int | None:
+    for t in _tensors((args, kwargs)):
+        return int(t.shape[0]) if t.dim() else None
+    return None
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+#: Tensor methods writing into their first argument that the trailing-underscore rule misses.
+_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                     "__ior__", "__iand__", "__ixor__", "__ipow__", "__ifloordiv__"})
+
+
+class _Taint(TorchFunctionMode):
+    """Marks every tensor computed from a tainted tensor as tainted (weakly: no tensor is kept
+    alive by the mark, so recording costs no activation memory)."""
+
+    def __init__(self, sources: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._marks: dict[int, weakref.ref[torch.Tensor]] = {}
+        for t in sources:
+            self.mark(t)
+
+    def mark(self, t: torch.Tensor) -> None:
+        key = id(t)
+        if key in self._marks and self._marks[key]() is t:
+            return
+        marks = self._marks
+
+        def forget(_ref: weakref.ref[torch.Tensor]) -> None:  # the tensor died: free its id
+            marks.pop(key, None)
+
+        marks[key] = weakref.ref(t, forget)
+
+    def tainted(self, t: torch.Tensor) -> bool:
+        ref = self._marks.get(id(t))
+        return ref is not None and ref() is t
+
+    def any_tainted(self, obj: Any) -> bool:
+        return any(self.tainted(t) for t in _tensors(obj))
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._marks and self.any_tainted((args, kwargs)):
+            for t in _tensors(out):
+                self.mark(t)
+            # An in-place op (add_, w[idx] = v, x += y, out=) taints the tensor it writes.
+            name = getattr(func, "__name__", "")
+            inplace = (name.endswith("_") and not name.endswith("__")) or name in _WRITES
+            if inplace and args and isinstance(args[0], torch.Tensor):
+                self.mark(args[0])
+            for t in _tensors(kwargs.get("out")):
+                self.mark(t)
+        return out
+
+
+def _repeat(obj: Any, rows: int, n: int) -> Any:
+    """obj with every tensor of `rows` rows repeated n times along dim 0 (copy-major)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() and obj.shape[0] == rows:
+            return obj.repeat(n, *([1] * (obj.dim() - 1)))
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_repeat(o, rows, n) for o in obj)
+    if isinstance(obj, list):
+        return [_repeat(o, rows, n) for o in obj]
+    if isinstance(obj, dict):
+        out = obj.__class__() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _repeat(v, rows, n)
+        return out
+    return obj
+
+
+def repeat_batch(batch: Batch, n: int) -> dict[str, torch.Tensor]:
+    """The batch stacked n times along dim 0 (copy c holds rows c*B .. (c+1)*B - 1)."""
+    return {k: v.repeat(n, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+def _split(obj: Any, rows: int, n: int) -> list[Any]:
+    """n slices of obj: tensors of n*rows rows split along dim 0, everything else shared."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() and obj.shape[0] == n * rows:
+            return list(obj.split(rows))
+        return [obj] * n
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        parts = [_split(o, rows, n) for o in obj]
+        return [tuple(p[i] for p in parts) for i in range(n)]
+    if isinstance(obj, list):
+        parts = [_split(o, rows, n) for o in obj]
+        return [[p[i] for p in parts] for i in range(n)]
+    if isinstance(obj, dict):
+        keys = list(obj)
+        parts = [_split(obj[k], rows, n) for k in keys]
+        return [dict(zip(keys, (p[i] for p in parts), strict=True)) for i in range(n)]
+    return [obj] * n
+
+
+def _cat(outs: list[Any]) -> Any:
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs)
+    if isinstance(first, tuple) and not hasattr(first, "_fields"):
+        return tuple(_cat([o[i] for o in outs]) if isinstance(first[i], torch.Tensor)
+                     else first[i] for i in range(len(first)))
+    raise UnbatchableError(f"cannot stack per-copy outputs of type {type(first).__name__}")
+
+
+@dataclass
+class _Plan:
+    """The modules a step replaces by their recorded outputs, and the memory estimate."""
+
+    shared: list[_Call] = field(default_factory=list)
+    owner_rows: dict[int, int] = field(default_factory=dict)  # id(owner) -> rows recorded
+    shared_bytes: int = 0
+    per_copy_bytes: int = 1
+
+
+class ProbeEngine:
+    """Runs the probes of a ZO step with a shared prefix and batched copies (module docstring).
+
+    `copy_losses` enables batching (None: probes run one at a time, prefix still shared);
+    `max_copies` caps copies per forward (None: as many as `budget_mb` allows); `share_prefix`
+    False turns the recording off (every probe a full forward, today's sequential path).
+    """
+
+    def __init__(self, model: nn.Module, scope: Scope, loss_on_batch: LossOnBatch,
+                 copy_losses: CopyLosses | None = None, *, max_copies: int | None = None,
+                 budget_mb: float = DEFAULT_BUDGET_MB, share_prefix: bool = True,
+                 perturber: Perturber | None = None) -> None:
+        if max_copies is not None and max_copies < 1:
+            raise ValueError(f"max_copies must be >= 1, got {max_copies}")
+        if not (math.isfinite(budget_mb) and budget_mb >= 0):
+            raise ValueError(f"budget_mb must be finite and >= 0, got {budget_mb}")
+        self.model = model
+        self.scope = scope
+        self.loss_on_batch = loss_on_batch
+        self.copy_losses = copy_losses
+        self.max_copies = max_copies
+        self.budget_bytes = int(budget_mb * 1024 * 1024)
+        self.share_prefix = share_prefix
+        self.perturber = perturber or Perturber(scope)
+        self.stats = ProbeStats()
+        self._warned = self._warned_reach = False
+        self.reaches_loss: bool | None = None  # did the last recording see the scope reach it
+        self._batchable = copy_losses is not None
+        owners = scope.owners()
+        by_id = {id(t.tensor): t for t in scope}
+        self._owned: dict[int, list[tuple[nn.Module, str, ScopedTensor]]] = {}
+        for key, pairs in owners.items():
+            for module, attr in pairs:
+                self._owned.setdefault(id(module), []).append((module, attr, by_id[key]))
+        self._holds_scope = self._modules_holding_scope(owners)
+        self._parent: dict[int, int] = {}
+        for _, module in model.named_modules():
+            for child in module.children():
+                self._parent.setdefault(id(child), id(module))
+        self._active: list[Probe] = []  # the probe of the copy an owner is running now
+
+    def _modules_holding_scope(self, owners: dict[int, list[tuple[nn.Module, str]]]
+                               ) -> set[int]:
+        owner_ids = {id(m) for pairs in owners.values() for m, _ in pairs}
+        holding: set[int] = set()
+        for _, module in self.model.named_modules():
+            if any(id(m) in owner_ids for m in module.modules()):
+                holding.add(id(module))
+        return holding
+
+    # -- public ------------------------------------------------------------------------------
+
+    def losses(self, batch: Batch, probes: Sequence[Probe]) -> list[float]:
+        """L(theta + scale z(seed)) for each probe, in order, on one batch."""
+        if not probes:
+            return []
+        self.stats = ProbeStats(probes=len(probes))
+        with torch.no_grad(), self.perturber.step():
+            if not self.share_prefix:
+                return [self._sequential(batch, p) for p in probes]
+            first, plan = self._record(batch, probes[0])
+            out = [first]
+            rest = list(probes[1:])
+            if rest:
+                out += self._with_plan(batch, plan, rest)
+        return out
+
+    def inspect(self, batch: Batch) -> ProbeEstimate:
+        """One unperturbed recording forward: does the scope reach the loss, and what would
+        stacking copies of this batch cost (the task-creation check, `check_task_probes`)."""
+        with torch.no_grad(), self.perturber.step():
+            _, plan = self._record(batch, None)
+        return ProbeEstimate(bool(self.reaches_loss), plan.shared_bytes, plan.per_copy_bytes)
+
+    # -- the recording pass ------------------------------------------------------------------
+
+    def _sequential(self, batch: Batch, probe: Probe) -> float:
+        return float(self._loss(batch, probe))
+
+    def _loss(self, batch: Batch, probe: Probe) -> torch.Tensor:
+        self.stats.model_calls += 1
+        if probe is None:
+            return self.loss_on_batch(self.model, batch)
+        with self.perturber.probe(*probe):
+            return self.loss_on_batch(self.model, batch)
+
+    def _record(self, batch: Batch, probe: Probe) -> tuple[float, _Plan]:
+        calls: dict[int, _Call] = {}
+        taint = _Taint([t.tensor for t in self.scope])
+
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            call = calls.get(id(module))
+            if call is None:
+                call = calls[id(module)] = _Call(module)
+                call.rows = _first_rows(args, kwargs)
+            call.count += 1
+            call.tainted_input = call.tainted_input or taint.any_tainted((args, kwargs))
+
+        def post(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            call = calls[id(module)]
+            call.output = output
+            call.out_bytes = max(call.out_bytes, _nbytes(output))
+
+        handles = []
+        for module in self.model.modules():
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+        try:
+            with taint:
+                loss = self._loss(batch, probe)
+        finally:
+            for h in handles:
+                h.remove()
+        self.reaches_loss = taint.tainted(loss)
+        if not self.reaches_loss and not self._warned_reach:
+            log.warning("no tensor of the %s scope influences the loss: every scalar will be 0",
+                        self.scope.kind)
+            self._warned_reach = True
+        return float(loss), self._plan(calls)
+
+    def _plan(self, calls: dict[int, _Call]) -> _Plan:
+        def shareable(c: _Call) -> bool:
+            return (c.count == 1 and not c.tainted_input and id(c.module) not in self._holds_scope
+                    and c.module is not self.model)
+
+        ok = {key for key, c in calls.items() if shareable(c)}
+        plan = _Plan()
+        tail_max = 0
+        for key, c in calls.items():
+            if key in ok:
+                if self._parent.get(key) not in ok:
+                    plan.shared.append(c)
+                    plan.shared_bytes += _nbytes(c.output)
+                else:
+                    c.output = None  # inside a kept module: never called again this step
+                continue
+            c.output = None
+            if key in self._owned and c.rows is not None:
+                plan.owner_rows[key] = c.rows
+            if not self._under(key, ok):
+                tail_max = max(tail_max, c.out_bytes)
+        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * tail_max))
+        return plan
+
+    def _under(self, key: int, kept: set[int]) -> bool:
+        while key in self._parent:
+            key = self._parent[key]
+            if key in kept:
+                return True
+        return False
+
+    # -- later probes ------------------------------------------------------------------------
+
+    def _copies_per_forward(self, plan: _Plan, wanted: int) -> int:
+        if not self._batchable:
+            return 1
+        free = max(0, self.budget_bytes - plan.shared_bytes)
+        fits = int(1 + free // plan.per_copy_bytes)
+        asked = wanted if self.max_copies is None else min(wanted, self.max_copies)
+        n = max(1, min(asked, fits))
+        if self.max_copies is not None and n < asked:  # asked explicitly: say why it got fewer
+            self.stats.limited = True
+            if not self._warned:
+                log.warning("batched probes: %d copies per forward asked, %d fit the %.0f MB "
+                            "budget (~%.2f MB per copy); running %d per forward, same scalars",
+                            asked, n, self.budget_bytes / 2**20, plan.per_copy_bytes / 2**20, n)
+                self._warned = True
+        return n
+
+    def _with_plan(self, batch: Batch, plan: _Plan, probes: list[Probe]) -> list[float]:
+        self.stats.shared_modules = len(plan.shared)
+        self.stats.shared_mb = plan.shared_bytes / 2**20
+        self.stats.per_copy_mb = plan.per_copy_bytes / 2**20
+        n = self._copies_per_forward(plan, len(probes))
+        self.stats.copies_per_forward = n
+        out: list[float] = []
+        rows = _first_rows((), dict(batch))
+        with ExitStack() as stack:
+            for c in plan.shared:
+                stack.enter_context(_replaced(c))
+            i = 0
+            while i < len(probes):
+                group = probes[i:i + n]
+                if len(group) == 1 or rows is None:
+                    out += [self._sequential(batch, p) for p in group]
+                else:
+                    try:
+                        out += self._batched(batch, plan, group)
+                    except UnbatchableError as e:
+                        log.warning("batched probes off for this model: %s", e)
+                        self._batchable = False
+                        self.stats.fallback = str(e)
+                        self.stats.copies_per_forward = n = 1
+                        continue
+                i += len(group)
+        return out
+
+    def _batched(self, batch: Batch, plan: _Plan, group: list[Probe]) -> list[float]:
+        assert self.copy_losses is not None
+        n = len(group)
+        with ExitStack() as stack:
+            for key, entries in self._owned.items():
+                rows = plan.owner_rows.get(key)
+                if rows is not None:
+                    stack.enter_context(self._per_copy(entries, rows, group))
+            for c in plan.shared:
+                c.module.forward.seedfed_copies = n  # type: ignore[attr-defined]
+            self.stats.model_calls += 1
+            values = self.copy_losses(self.model, repeat_batch(batch, n), n)
+        if values.shape != (n,):
+            raise UnbatchableError(f"copy losses returned shape {tuple(values.shape)}, "
+                                   f"expected ({n},)")
+        return [float(v) for v in values.tolist()]
+
+    @contextmanager
+    def _per_copy(self, entries: list[tuple[nn.Module, str, ScopedTensor]], rows: int,
+                  group: list[Probe]) -> Iterator[None]:
+        module = entries[0][0]
+        original = module.forward
+        n = len(group)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            got = _first_rows(args, kwargs)
+            if got == rows and self._active:  # inside an outer owner's copy
+                with _swapped(entries, self._active[-1]):
+                    return original(*args, **kwargs)
+            if got != n * rows:
+                raise UnbatchableError(f"{type(module).__name__} got {got} rows, expected "
+                                       f"{n} copies x {rows}")
+            outs = []
+            for probe, (a, k) in zip(group, zip(_split(args, rows, n), _split(kwargs, rows, n),
+                                                strict=True), strict=True):
+                self._active.append(probe)
+                try:
+                    with _swapped(entries, probe):
+                        outs.append(original(*a, **k))
+                finally:
+                    self._active.pop()
+            return _cat(outs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.forward
+
+
+@contextmanager
+def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe) -> Iterator[None]:
+    """The module's scoped tensors show theta + scale z(seed) (the bits of `perturbed_copy`)."""
+    if probe is None:
+        yield
+        return
+    seed, scale = probe
+    saved = []
+    for module, attr, t in entries:
+        p = getattr(module, attr)
+        saved.append((p, p.data))
+        p.data = perturbed_copy(t, seed, scale)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+@contextmanager
+def _replaced(call: _Call) -> Iterator[None]:
+    """The module returns its recorded output (repeated per copy in a batched forward)."""
+    module, output, rows = call.module, call.output, call.rows
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        got = _first_rows(args, kwargs)
+        if got == rows:
+            return output
+        n = forward.seedfed_copies  # type: ignore[attr-defined]
+        if rows is not None and got == n * rows:
+            return _repeat(output, rows, n)
+        return original(*args, **kwargs)  # not the recorded call: compute it
+
+    forward.seedfed_copies = 1  # type: ignore[attr-defined]
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def step_probes(seeds: Sequence[int], config: ZOConfig) -> list[Probe]:
+    """The probes of one step in `spsa_step`'s order: base first when one-sided."""
+    if config.one_sided:
+        return [None] + [(s, config.eps) for s in seeds]
+    return [p for s in seeds for p in ((s, config.eps), (s, -config.eps))]
+
+
+def engine_step(engine: ProbeEngine, batch: Batch, seeds: Sequence[int],
+                config: ZOConfig) -> StepResult:
+    """`spsa_step` through the engine: same scalars (float tolerance), same update bits."""
+    losses = engine.losses(batch, step_probes(seeds, config))
+    g = np.empty(len(seeds), dtype=np.float32)
+    for i in range(len(seeds)):
+        if config.one_sided:
+            lp, lm = losses[1 + i], losses[0]
+        else:
+            lp, lm = losses[2 * i], losses[2 * i + 1]
+        g[i] = projected_gradient(lp, lm, config.eps, config.one_sided, config.clip)
+    coefs = update_coefficients(g, config.lr, config.perturbations)
+    apply_seeds(engine.scope, seeds, coefs.tolist())
+    return StepResult(g=g, loss=float(np.mean(losses)), forwards=len(losses),
+                      model_calls=engine.stats.model_calls,
+                      copies_per_forward=engine.stats.copies_per_forward)
+
+
+#: Tokens of the synthetic sentence `check_task_probes` runs (its figures scale linearly).
+CHECK_TOKENS = 16
+
+
+def _logits_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """A loss every logit reaches, for checks that need no labels."""
+    return model(**batch).logits.float().square().mean()
+
+
+def check_task_probes(model: nn.Module, scope: Scope, *, batch_size: int, seq_len: int,
+                      copies: int | None, budget_mb: float) -> ProbeEstimate:
+    """Refuse, before any round opens, a scope that cannot move the loss and a `copies` whose
+    stacked activations for a batch_size x seq_len batch exceed `budget_mb`.
+
+    Runs one unperturbed forward of one synthetic sentence (CHECK_TOKENS tokens) and scales
+    the activation estimate linearly to the task's batch (attention's quadratic part is
+    underestimated for long sequences; the device measures its own and falls back if need be).
+    Raises ScopeError or ProbeMemoryError; returns the scaled estimate.
+    """
+    from .errors import ScopeError
+
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise ScopeError(f"{type(model).__name__} names no vocab_size: cannot check its scope")
+    tokens = max(1, min(seq_len, CHECK_TOKENS))
+    ids = torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    found = ProbeEngine(model, scope, _logits_loss).inspect(batch)
+    inner = getattr(getattr(model, "base_model", model), "model", model)
+    clear = getattr(inner, "clear_cache", None)
+    if callable(clear):  # the synthetic sentence must not linger in a feature cache
+        clear()
+    if not found.reaches_loss:
+        raise ScopeError(f"scope {scope.kind!r}: none of its {len(scope)} tensors (e.g. "
+                         f"{scope.names[0]}) influences the model's output, so every scalar "
+                         "would be 0")
+    scale = batch_size * seq_len / tokens
+    est = ProbeEstimate(True, int(found.shared_bytes * scale), int(found.per_copy_bytes * scale))
+    if copies is not None and est.bytes_for(copies) > budget_mb * 2**20:
+        fits = 1 + max(0, int(budget_mb * 2**20) - est.shared_bytes) // est.per_copy_bytes
+        raise ProbeMemoryError(
+            f"probe_copies={copies} stacked copies of a {batch_size} x {seq_len} batch need "
+            f"~{est.bytes_for(copies) / 2**20:.0f} MB beyond one probe, above probe_memory_mb="
+            f"{budget_mb:g}; at most {fits} fit (lower probe_copies, batch_size or "
+            "max_seq_len, or raise probe_memory_mb)")
+    return est
