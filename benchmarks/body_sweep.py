@@ -353,6 +353,16 @@ class ZoProblem:
         """What every probe of a batch shares (the states below the lowest perturbed op).
         Top-of-layer-5 scopes keep only real tokens (packed) and pool with a [B, tokens]
         averaging matrix, so padding costs nothing."""
+        if self.run.scope in ("ln5out", "ffo5") and len(idx) > 32:
+            # length-sorted chunks (a device pads only its own batch): pack each, then join
+            order = torch.argsort(split.lengths[idx])
+            chunks = [self.prepare(split, idx[order[s:s + 32]]) for s in range(0, len(idx), 32)]
+            inv = torch.argsort(order)
+            m = torch.block_diag(*[c["M"] for c in chunks])[inv]
+            prep = {"pre": torch.cat([c["pre"] for c in chunks]), "M": m}
+            if self.rank:
+                prep["uA"] = torch.cat([c["uA"] for c in chunks])
+            return prep
         h, mask = split.batch(idx, self.start)
         prep = {"mask": mask}
         if self.start == 6:
@@ -454,7 +464,8 @@ class ZoProblem:
 
 
 def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
-           head_init: torch.Tensor | None = None) -> dict[str, Any]:
+           head_init: torch.Tensor | None = None, save_head: Path | None = None
+           ) -> dict[str, Any]:
     prob = ZoProblem(cache, run, seed)
     pool, ev = Split(cache["pool"]), Split(cache[eval_split])
     parts = [torch.from_numpy(p) for p in cache["parts"]]
@@ -496,7 +507,11 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
         phi = phi - (run.lr / run.perturbations) * (g.float() @ z)
         if (r + 1) % run.eval_every == 0 or r + 1 == run.rounds:
             curve.append((r + 1, prob.accuracy(theta(phi), ev)))
+            print(f"    {run.scope} c {run.c_body:g} lr {run.lr:g} round {r + 1}: {eval_split} "
+                  f"{curve[-1][1]:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
     wall = time.perf_counter() - started
+    if save_head is not None:
+        torch.save(theta(phi)[:prob.sizes[0] + prob.sizes[1]].clone(), save_head)
     return {"run": run.__dict__, "seed": seed, "numel": prob.numel, "curve": curve,
             "final": curve[-1][1], "seconds": wall}
 
@@ -568,6 +583,7 @@ def main() -> None:
     ap.add_argument("--fo-batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--head-init", default=None, help="a .pt flat head to start from")
+    ap.add_argument("--save-head", type=Path, default=None, help="save the final flat head")
     ap.add_argument("--test", action="store_true", help="score test (only to confirm a choice)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -593,7 +609,8 @@ def main() -> None:
                     run = ZoRun(args.scope, lr, eps, args.perturbations, args.rounds,
                                 args.batch, c, 1.0, args.rank, args.per_round,
                                 max(1, args.rounds // 6))
-                    res = [zo_run(cache, run, s, split, head) for s in range(args.seeds)]
+                    res = [zo_run(cache, run, s, split, head, args.save_head)
+                           for s in range(args.seeds)]
                     accs = [r["final"] for r in res]
                     rows.append({"run": run.__dict__, "finals": accs,
                                  "curves": [r["curve"] for r in res],

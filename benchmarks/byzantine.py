@@ -89,9 +89,8 @@ def load_features(args: argparse.Namespace) -> dict[str, Any]:
     """MiniLM features of the benchmark's split (the head sweep's cache), or synthetic ones."""
     if args.synthetic:
         return synthetic_features(args.devices, seed=0)
-    from head_sweep import features
-
     from accuracy import DEFAULT_DATA, FedConfig  # noqa: I001 (benchmarks/ on sys.path)
+    from head_sweep import features
 
     cache = args.cache or Path(f"runs/head_sweep_features_{args.train_pool}.pt")
     return features(cache, args.data or DEFAULT_DATA, FedConfig(train_pool=args.train_pool),
@@ -240,8 +239,8 @@ def honest_scale(f: dict[str, Any], recipe: Recipe) -> float:
     for part in f["parts"]:
         idx = rng.choice(part, size=min(recipe.batch, len(part)), replace=False)
         xb, yb = f["pool_x"].double()[idx], f["pool_y"][idx]
-        out.append(((losses(theta + recipe.eps * z, xb, yb) - losses(theta - recipe.eps * z, xb,
-                                                                    yb)) / (2 * recipe.eps)))
+        out.append((losses(theta + recipe.eps * z, xb, yb) - losses(theta - recipe.eps * z, xb,
+                                                                    yb)) / (2 * recipe.eps))
     return float(torch.cat(out).abs().median())
 
 

@@ -30,11 +30,13 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--at-close", type=float, default=0.5,
                     help="share of kills aimed right after a round reached its quorum")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop killing after this many seconds per backend (then verify)")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/crash.json"))
     args = ap.parse_args(argv)
     rows = main(backends=args.db, kills=args.kills, devices=args.devices, quorum=args.quorum,
                 lanes=args.threads, seeds=args.seeds, at_close=args.at_close,
-                json_path=args.json, seed=args.seed)
+                json_path=args.json, seed=args.seed, budget_s=args.budget_s)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

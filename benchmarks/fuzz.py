@@ -233,17 +233,20 @@ def fuzz(base: str, world: World, *, requests: int, seed: int, batch: int = 50,
     started = time.perf_counter()
     last_print = started
 
-    def token_for(key: tuple[str, str], i: int) -> str | None:
+    # Drawn, not taken from the loop index: with 21 operations, `i % 3` would give each
+    # operation the same mode in every cycle (every operation must see both).
+    def token_for(key: tuple[str, str]) -> str | None:
         admin_only = key in ADMIN_ONLY or "/join-tokens" in key[1]
-        if i % 5 == 4:  # the wrong credentials: refused with a documented 401/403
+        if rng.random() < 0.2:  # the wrong credentials: refused with a documented 401/403
             return rng.choice([None, "forged-token", world.foreign_token,
                                world.device_token if admin_only else ADMIN])
         if admin_only:
             return ADMIN
         if key in DEVICE_ONLY:
             return world.device_token
-        return ADMIN if i % 2 else world.device_token
+        return rng.choice([ADMIN, world.device_token])
 
+    current = {"mode": ""}  # what the generated cases of this batch are (for the counts)
     i = 0
     while sent < requests:
         op = ops[i % len(ops)]
@@ -260,9 +263,10 @@ def fuzz(base: str, world: World, *, requests: int, seed: int, batch: int = 50,
                 fixed["version"] = version
             if "device_id" in names and rng.random() < 0.2:
                 fixed["device_id"] = world.device_id  # rarely: revoking it ends its uploads
-        token = token_for(key, i)
+        token = token_for(key)
         headers = {"Authorization": f"Bearer {token}"} if token is not None else None
-        mode = GenerationMode.NEGATIVE if i % 3 == 2 else GenerationMode.POSITIVE
+        mode = GenerationMode.NEGATIVE if rng.random() < 1 / 3 else GenerationMode.POSITIVE
+        current["mode"] = mode.value
         media = None
         if key in DEVICE_ONLY:
             media = rng.choice(["application/json", "application/octet-stream"])
@@ -280,7 +284,7 @@ def fuzz(base: str, world: World, *, requests: int, seed: int, batch: int = 50,
             sent += 1
             label = f"{case.operation.method.upper()} {case.operation.path}"
             statuses[response.status_code] += 1
-            by_op[label] += 1
+            by_op[f"{label} {current['mode']}"] += 1
             try:
                 case.validate_response(response, checks=to_check)
             except BaseException as e:  # noqa: BLE001 - a check's failure is data here
@@ -288,9 +292,13 @@ def fuzz(base: str, world: World, *, requests: int, seed: int, batch: int = 50,
                 for f in failures:
                     name = f"{label}: {getattr(f, 'title', type(f).__name__)}"
                     violations[name] += 1
-                    examples.setdefault(name, (f"{case.as_curl_command()}\n-> "
-                                               f"{response.status_code} "
-                                               f"{response.text[:300]}"))
+                    if name not in examples:
+                        examples[name] = (f"{case.as_curl_command()}\n-> "
+                                          f"{response.status_code} {response.text[:300]}\n"
+                                          f"{str(f)[:600]}")
+                        if progress:
+                            print(f"violation: {name}\n{examples[name]}", file=sys.stderr,
+                                  flush=True)
 
         try:
             one()

@@ -20,7 +20,8 @@ sync on the checksum the coordinator published, or raises and stops trusting wha
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -189,12 +190,27 @@ class Device:
         """Stop trusting the model's state (after a failure)."""
         self.model.forget()
 
+    @contextmanager
+    def _trusted_only(self) -> Iterator[None]:
+        """A failure inside leaves the model half-known: trust nothing, so the next sync
+        takes a snapshot."""
+        try:
+            yield
+        except SeedfedError:
+            self.invalidate()
+            raise
+
     # -- catching up ---------------------------------------------------------------------------
     def resume(self) -> bool:
         """Bring back the store's state unless the model holds it already; False when the
         store holds none of this task. A stored state that does not verify invalidates the
         device and raises DeviceStateError (a snapshot settles it)."""
-        stored = self.store.load()
+        try:
+            stored = self.store.load()
+        except (SeedfedError, OSError, KeyError, ValueError) as e:  # unreadable, not stale
+            self.invalidate()
+            raise DeviceStateError(f"stored state of task {self.task_id} is unreadable: "
+                                   f"{e}") from e
         if stored is None or stored.task_id != self.task_id:
             return False
         if (self.version, self.checksum) == (stored.version, stored.checksum):
@@ -216,11 +232,8 @@ class Device:
         if fmt != self.snapshot_format:
             raise DeviceStateError(f"task {self.task_id} devices load {self.snapshot_format} "
                                    f"snapshots, not {fmt}")
-        try:
+        with self._trusted_only():
             self.model.load_snapshot(data, version, checksum)
-        except SeedfedError:
-            self.invalidate()
-            raise
         self._save()
         return SyncResult(version, checksum, "snapshot")
 
@@ -230,12 +243,9 @@ class Device:
         task), else load the snapshot `fetch()` downloads; without `fetch` that raises."""
         if self.version == target:
             return SyncResult(target, self.checksum, "none")
-        try:
+        with self._trusted_only():
             result = self.model.sync(task_id=self.task_id, target=target, entries=entries,
                                      fetch=fetch or self._no_snapshot(target))
-        except SeedfedError:
-            self.invalidate()
-            raise
         self._save()
         return result
 

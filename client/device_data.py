@@ -8,6 +8,7 @@ carve identical splits. No Flower import here: an HTTP-only device does not need
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,7 +25,7 @@ MAX_LOCAL_EVAL = 64
 @dataclass(frozen=True)
 class DeviceData:
     """Where a device's private examples come from. Overridable per node by node_config keys
-    `data`, `partition-id`, `num-partitions`, `alpha`, `data-seed`, `local-eval`."""
+    `data`, `partition-id`, `num-partitions`, `alpha`, `data-seed`, `local-eval`, `pool`."""
 
     source: str = "builtin"  # "builtin" (generated preference task) or a TSV/JSONL path
     partition_id: int = 0
@@ -32,8 +33,13 @@ class DeviceData:
     alpha: float = 0.5
     seed: int = 0
     local_eval_fraction: float = 0.1
+    # > 0: the fleet shares only this many training examples (a fixed random subset, the same
+    # on every device), e.g. to compare recipes on a benchmark's pool; 0: the whole split.
+    pool: int = 0
 
     def __post_init__(self) -> None:
+        if self.pool < 0:
+            raise ValueError(f"pool must be >= 0, got {self.pool}")
         if self.num_partitions < 1:
             raise ValueError(f"num_partitions must be >= 1, got {self.num_partitions}")
         if not 0 <= self.partition_id < self.num_partitions:
@@ -49,7 +55,8 @@ class DeviceData:
         """This configuration with the node's own settings applied (the node's word wins)."""
         keys = {"data": ("source", str), "partition-id": ("partition_id", int),
                 "num-partitions": ("num_partitions", int), "alpha": ("alpha", float),
-                "data-seed": ("seed", int), "local-eval": ("local_eval_fraction", float)}
+                "data-seed": ("seed", int), "local-eval": ("local_eval_fraction", float),
+                "pool": ("pool", int)}
         changes = {field: cast(cfg[key]) for key, (field, cast) in keys.items() if key in cfg}
         return replace(self, **changes)
 
@@ -61,6 +68,9 @@ def load_device_examples(data: DeviceData) -> tuple[data_mod.Examples, data_mod.
     its own share; nothing about the data is sent anywhere.
     """
     train = _training_split(data.source)
+    if 0 < data.pool < len(train):
+        pick = np.random.default_rng([data.seed, 1]).permutation(len(train))[:data.pool]
+        train = train.subset(np.sort(pick))
     parts = data_mod.dirichlet_partition(train.labels, data.num_partitions, data.alpha,
                                          np.random.default_rng(data.seed), min_size=2)
     mine = train.subset(parts[data.partition_id])
@@ -73,9 +83,12 @@ def _training_split(source: str) -> data_mod.Examples:
     return dataset_splits(source).train
 
 
+@functools.lru_cache(maxsize=4)
 def dataset_splits(source: str) -> data_mod.Splits:
     """The fixed train/validation/test split of a data source, the same on every device and
-    in the evaluator: SST-2-sized files keep `data.split`'s sizes, small files a 10%/20% cut."""
+    in the evaluator: SST-2-sized files keep `data.split`'s sizes, small files a 10%/20% cut.
+    Cached per process (Examples are immutable): the virtual devices of a simulation in one
+    process parse the file once, not once each."""
     if source == "builtin":
         from seedfed.client import preference
 

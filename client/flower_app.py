@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -41,6 +42,8 @@ from seedfed.shared.task import TaskSpec
 
 #: Key of the device's persistent state in `Context.state`.
 STATE = "seedfed.device"
+
+T = TypeVar("T")
 
 __all__ = ["STATE", "ContextStore", "DeviceRuntime", "DeviceStateError", "make_client_app"]
 
@@ -69,9 +72,10 @@ class ContextStore:
             return None
         snap = rec.get("ternary-snapshot")
         return StoredState(
-            str(rec["task-id"]), _int(rec, "version"), str(rec["checksum"]),
-            _bytes(rec, "state"), None if snap is None else _bytes(rec, "ternary-snapshot"),
-            _int(rec, "ternary-snapshot-version") if snap is not None else None,
+            str(rec["task-id"]), _typed(rec, "version", int), str(rec["checksum"]),
+            _typed(rec, "state", bytes),
+            None if snap is None else _typed(rec, "ternary-snapshot", bytes),
+            None if snap is None else _typed(rec, "ternary-snapshot-version", int),
             str(rec.get("ternary-snapshot-checksum", "")))
 
     def save(self, state: StoredState) -> None:
@@ -85,15 +89,11 @@ class ContextStore:
         self.context.state[STATE] = ConfigRecord(fields)
 
 
-def _int(rec: ConfigRecord, key: str) -> int:
+def _typed(rec: ConfigRecord, key: str, kind: type[T]) -> T:
     value = rec[key]
-    assert isinstance(value, int), key
-    return value
-
-
-def _bytes(rec: ConfigRecord, key: str) -> bytes:
-    value = rec[key]
-    assert isinstance(value, bytes), key
+    if not isinstance(value, kind):
+        raise DeviceStateError(f"stored {key!r} is {type(value).__name__}, not "
+                               f"{kind.__name__}")
     return value
 
 

@@ -85,6 +85,34 @@ def bench_probes(
         raise typer.Exit(1)
 
 
+@bench_app.command("crash")
+def bench_crash(
+    db: str = typer.Option("sqlite,postgres", "--db",
+                           help="backends, comma-separated: sqlite, postgres"),
+    kills: int = typer.Option(100, "--kills", min=1, help="SIGKILLs per backend"),
+    at_close: float = typer.Option(0.5, "--at-close", min=0.0, max=1.0,
+                                   help="share of kills aimed right after a round's quorum"),
+    budget_s: float = typer.Option(None, "--budget-s", help="stop killing after this many "
+                                   "seconds per backend, then verify"),
+    seed: int = typer.Option(0, "--seed"),
+    json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
+) -> None:
+    """SIGKILL a real coordinator under uploads and restart it; exit 1 unless every accepted
+    upload is stored once, versions are contiguous and replay from v0 matches."""
+    from pathlib import Path
+
+    from seedfed.bench.crash import main as run_crash
+
+    backends = [b.strip() for b in db.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ("sqlite", "postgres")]
+    if bad or not backends:
+        raise typer.BadParameter(f"unknown backend(s) {bad}: use sqlite or postgres")
+    rows = run_crash(backends=backends, kills=kills, at_close=at_close, seed=seed,
+                     budget_s=budget_s, json_path=Path(json_path) if json_path else None)
+    if not all(r["ok"] for r in rows):
+        raise typer.Exit(1)
+
+
 # --- coordinator ------------------------------------------------------------------------------
 @app.command("coordinator")
 def coordinator(

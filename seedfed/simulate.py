@@ -52,12 +52,14 @@ class SimulationConfig:
     sync_after_round: bool = True
     round_timeout_s: float = 600.0
     engine: str = "flower"  # "flower" (Simulation Engine) or "inprocess" (seedfed.inprocess)
+    pool: int = 0  # > 0: the fleet shares this many training examples (DeviceData.pool)
+    eval_every: int = 1  # score the held-out split every this many rounds (and the last)
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        for name in ("devices", "rounds", "steps", "perturbations", "cpus"):
+        for name in ("devices", "rounds", "steps", "perturbations", "cpus", "eval_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.alpha > 0:
@@ -260,7 +262,8 @@ class _RoundScorer:
         from flwr.app import MetricRecord
 
         acc = None
-        if self.evaluator is not None:
+        due = server_round % self.config.eval_every == 0 or server_round == self.config.rounds
+        if self.evaluator is not None and due:
             st = self.coordinator.task_status(self.task_id)
             acc = self.evaluator(*self.coordinator.snapshot(self.task_id, st.version))
         if server_round == 0:
@@ -291,7 +294,8 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer) -
     from seedfed.client.flower_app import make_client_app
 
     client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
-                                            seed=config.seed, num_partitions=config.devices))
+                                            seed=config.seed, num_partitions=config.devices,
+                                            pool=config.pool))
     if config.engine == "inprocess":
         from seedfed.inprocess import InProcessGrid
 

@@ -54,6 +54,7 @@ from .estimator import StepResult, ZOConfig, projected_gradient
 from .perturb import Perturber, perturbed_copy
 from .replay import apply_seeds, update_coefficients
 from .scopes import Scope, ScopedTensor
+from .stream import perturbed_pair
 from .task import DEFAULT_PROBE_MEMORY_MB
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ Probe = tuple[int, float] | None
 #: Extra activation memory a batched forward may use beyond one probe's (MB).
 DEFAULT_BUDGET_MB = DEFAULT_PROBE_MEMORY_MB
 #: Live activations of one copy, as a multiple of the largest module output it produces
-#: (a transformer block holds its input, the FFN's wide activation and one temporary).
-ACTIVATION_FACTOR = 3.0
+#: (a transformer block holds its input, the FFN's wide activation and temporaries; 4.5 is
+#: what MiniLM's top layer measured, RSS growth per stacked copy).
+ACTIVATION_FACTOR = 4.5
 
 
 class ProbeMemoryError(SeedfedError, ValueError):
@@ -117,6 +119,7 @@ class _Call:
     rows: int | None = None  # dim 0 of the first tensor input (the batch, for most modules)
     output: Any = None
     out_bytes: int = 0
+    kept: bool = True  # output still held (False: never shareable, or covered by a parent)
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -294,6 +297,7 @@ class ProbeEngine:
             for child in module.children():
                 self._parent.setdefault(id(child), id(module))
         self._active: list[Probe] = []  # the probe of the copy an owner is running now
+        self._swapping: set[int] = set()  # ids of tensors `_swapped` shows perturbed now
 
     def _modules_holding_scope(self, owners: dict[int, list[tuple[nn.Module, str]]]
                                ) -> set[int]:
@@ -354,8 +358,17 @@ class ProbeEngine:
 
         def post(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
             call = calls[id(module)]
-            call.output = output
             call.out_bytes = max(call.out_bytes, _nbytes(output))
+            if call.count > 1 or call.tainted_input or id(module) in self._holds_scope:
+                call.output, call.kept = None, False  # never shared: keep nothing alive
+                return
+            call.output = output
+            # Only the outermost shareable module's output is needed: dropping what it covers
+            # keeps the recording at the memory of one forward, not of every activation.
+            for sub in module.modules():
+                inner = calls.get(id(sub))
+                if inner is not None and sub is not module:
+                    inner.output, inner.kept = None, False
 
         handles = []
         for module in self.model.modules():
@@ -376,8 +389,8 @@ class ProbeEngine:
 
     def _plan(self, calls: dict[int, _Call]) -> _Plan:
         def shareable(c: _Call) -> bool:
-            return (c.count == 1 and not c.tainted_input and id(c.module) not in self._holds_scope
-                    and c.module is not self.model)
+            return (c.count == 1 and c.kept and not c.tainted_input
+                    and id(c.module) not in self._holds_scope and c.module is not self.model)
 
         ok = {key for key, c in calls.items() if shareable(c)}
         plan = _Plan()
@@ -474,11 +487,12 @@ class ProbeEngine:
         module = entries[0][0]
         original = module.forward
         n = len(group)
+        pending: Pending = {}  # -eps twins made with their +eps copy, for this group only
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             got = _first_rows(args, kwargs)
             if got == rows and self._active:  # inside an outer owner's copy
-                with _swapped(entries, self._active[-1]):
+                with _swapped(entries, self._active[-1], self._swapping, pending):
                     return original(*args, **kwargs)
             if got != n * rows:
                 raise UnbatchableError(f"{type(module).__name__} got {got} rows, expected "
@@ -488,7 +502,7 @@ class ProbeEngine:
                                                 strict=True), strict=True):
                 self._active.append(probe)
                 try:
-                    with _swapped(entries, probe):
+                    with _swapped(entries, probe, self._swapping, pending):
                         outs.append(original(*a, **k))
                 finally:
                     self._active.pop()
@@ -501,9 +515,29 @@ class ProbeEngine:
             del module.forward
 
 
+Pending = dict[tuple[int, int, float], torch.Tensor]
+
+
+def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> torch.Tensor:
+    """perturbed_copy(t, seed, scale); a whole tensor's -scale twin is made from the same z
+    and kept in `pending` for the copy that needs it next (the -eps probe of the seed)."""
+    key = (id(t.tensor), seed, scale)
+    if key in pending:
+        return pending.pop(key)
+    if t.indices is not None:
+        return perturbed_copy(t, seed, scale)
+    plus, minus = perturbed_pair(t.tensor, t.name, seed, scale)
+    pending[(id(t.tensor), seed, -scale)] = minus
+    return plus
+
+
 @contextmanager
-def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe) -> Iterator[None]:
-    """The module's scoped tensors show theta + scale z(seed) (the bits of `perturbed_copy`)."""
+def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe,
+             active: set[int], pending: Pending) -> Iterator[None]:
+    """The module's scoped tensors show theta + scale z(seed) (the bits of `perturbed_copy`).
+
+    `active` holds the ids of tensors shown perturbed right now: a tensor shared by an owner and
+    a module inside it is perturbed once, by the outer one (the same copy's probe)."""
     if probe is None:
         yield
         return
@@ -511,13 +545,17 @@ def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe) -
     saved = []
     for module, attr, t in entries:
         p = getattr(module, attr)
+        if id(p) in active:
+            continue
         saved.append((p, p.data))
-        p.data = perturbed_copy(t, seed, scale)
+        p.data = _perturbed(t, seed, scale, pending)
+        active.add(id(p))
     try:
         yield
     finally:
         for p, data in saved:
             p.data = data
+            active.discard(id(p))
 
 
 @contextmanager

@@ -162,6 +162,26 @@ def perturbed(x: torch.Tensor, name: str, seed: int, scale: float) -> torch.Tens
     return out
 
 
+def perturbed_pair(x: torch.Tensor, name: str, seed: int, scale: float,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + scale z, x - scale z) with z generated once: each the bits of `perturbed`
+    (the two-point probes of one seed need both; the stream is the costly part)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name}: perturbation needs a float32 tensor, got {x.dtype}")
+    src = x.detach().contiguous()
+    plus, minus = torch.empty_like(src), torch.empty_like(src)
+    flat, fp, fm = src.view(-1), plus.view(-1), minus.view(-1)
+    c = float(np.float32(scale))
+    gen = _stream_gen(seed, tensor_id(name), 0)
+    n = flat.numel()
+    for start in range(0, n, CHUNK_ELEMENTS):  # the chunking of `_add_dense`, one seed
+        stop = min(n, start + CHUNK_ELEMENTS)
+        z = _signs_i8(gen.random_raw(4 * -(-(stop - start) // BLOCK_ELEMENTS)))[: stop - start]
+        torch.add(flat[start:stop], z, alpha=c, out=fp[start:stop])
+        torch.add(flat[start:stop], z, alpha=-c, out=fm[start:stop])
+    return plus, minus
+
+
 def _check_range(numel: int, start: int, stop: int) -> None:
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"slice [{start}, {stop}) is outside a tensor of {numel} elements")

@@ -16,7 +16,7 @@ from .aggregate import AggregationConfig
 
 #: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
 #: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.probes`).
-DEFAULT_PROBE_MEMORY_MB = 64.0
+DEFAULT_PROBE_MEMORY_MB = 32.0
 
 ModelKind = Literal["causal_lm", "seq_cls"]
 Format = Literal["fp32", "fp16", "bf16", "int8", "int4", "ternary"]

@@ -335,8 +335,9 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
 
 def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
              seeds: int, at_close: float, model: Path, seed: int = 0,
-             log: bool = True) -> dict[str, Any]:
-    """One backend: enroll, run under load, SIGKILL `kills` times, verify."""
+             budget_s: float | None = None, log: bool = True) -> dict[str, Any]:
+    """One backend: enroll, run under load, SIGKILL `kills` times (or as many as fit in
+    `budget_s` seconds), verify."""
     from seedfed.server import service
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.settings import Settings
@@ -374,7 +375,10 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
             inside_close = 0
             restarts: list[float] = []
             t_start = time.time()
+            done = 0
             for k in range(kills):
+                if budget_s is not None and time.time() - t_start > budget_s:
+                    break
                 if rnd.random() < at_close:
                     kinds["at_close"] += 1
                     c.quorum_hit.clear()
@@ -389,10 +393,11 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
                     inside_close += 1
                 proc = _start(url, store, port, logf)
                 restarts.append(_wait_ready(base, proc, log_path))
+                done += 1
                 if log:
                     print(f"  {backend} kill {k + 1}/{kills}: {len(c.receipts)} receipts, "
-                          f"restart {restarts[-1]:.1f} s, inside a close so far {inside_close}",
-                          flush=True)
+                          f"restart {restarts[-1]:.1f} s, inside a close so far {inside_close}; "
+                          f"{dict(sorted(c.counts.items()))}", flush=True)
             time.sleep(1.0)  # some uploads after the last restart
             c.stop.set()
             for t in threads:
@@ -407,7 +412,7 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
         finally:
             if drop is not None:
                 drop()
-    return {"backend": backend, "kills": kills, "kill_kinds": kinds,
+    return {"backend": backend, "kills": done, "kills_planned": kills, "kill_kinds": kinds,
             "kills_inside_a_close": inside_close, "devices": devices, "quorum": quorum,
             "load_threads": lanes, "scalars_per_upload": seeds, "wall_s": wall,
             "restart_s_median": float(np.median(restarts)) if restarts else None,
@@ -418,11 +423,13 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
 
 def main(*, backends: list[str], kills: int, devices: int = 48, quorum: int = 8,
          lanes: int = 12, seeds: int = 16, at_close: float = 0.5,
-         json_path: Path | None = None, seed: int = 0) -> list[dict[str, Any]]:
+         json_path: Path | None = None, seed: int = 0,
+         budget_s: float | None = None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "model")
         rows = [campaign(b, kills=kills, devices=devices, quorum=quorum, lanes=lanes,
-                         seeds=seeds, at_close=at_close, model=model, seed=seed)
+                         seeds=seeds, at_close=at_close, model=model, seed=seed,
+                         budget_s=budget_s)
                 for b in backends]
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

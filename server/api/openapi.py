@@ -57,10 +57,10 @@ class ErrorBody(BaseModel):
 _WHAT = {
     400: "Malformed request: broken JSON or binary upload headers, unreadable body",
     401: "Missing, unknown or revoked token (admin token, device token or join token)",
-    403: "A device token of another task",
+    403: "A device token of another task, or a join token that has enrolled its limit",
     404: "Unknown task, device, round or version (or a pruned snapshot)",
     409: "Conflicts with the current state: closed or aggregating round, stale version, a "
-         "different second upload, an empty round",
+         "different second upload, an empty round, a round at its devices_per_round",
     413: "Request body above the coordinator's max_body_bytes",
     422: "Invalid request: a parameter or body outside its schema or range, or an upload that "
          "breaks the round's rules (shape, non-finite or too large scalars, task or round "
@@ -120,7 +120,8 @@ def validation_issues(errs: Sequence[Any]) -> tuple[str, list[dict[str, Any]]]:
     for e in errs:
         issue = {"loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())],
                  "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-        # A path parameter that a dependency declares too is reported once per declaration.
+        # A path parameter that a dependency declares too is validated once per declaration;
+        # the caller needs to read the problem once.
         if issue not in issues:
             issues.append(issue)
         if len(issues) == 20:
@@ -151,11 +152,9 @@ def install(app: Any) -> None:
                     resp["description"] = _WHAT[422]
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         if "ErrorBody" not in schemas:
-            schemas.update(ErrorBody.model_json_schema(ref_template="#/components/schemas/"
-                                                                    "{model}").pop("$defs"))
-            schemas["ErrorBody"] = ErrorBody.model_json_schema(
-                ref_template="#/components/schemas/{model}")
-            schemas["ErrorBody"].pop("$defs", None)
+            body = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}))
+            schemas["ErrorBody"] = body
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         app.openapi_schema = doc

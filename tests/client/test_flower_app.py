@@ -92,6 +92,8 @@ def test_the_reply_holds_scalars_example_count_and_loss_within_budget(fleet: dic
         assert list(reply.content.keys()) == [RECORD]
         assert payload_bytes(reply.content) <= budget
     assert record.upload_bytes == sum(payload_bytes(r.content) for r in replies)
+    # the coordinator counts the same bytes on the wire as the strategy measured
+    assert fleet["coord"].round_metrics(fleet["task"])[0].upload_bytes == record.upload_bytes
 
 
 def test_a_device_whose_state_diverged_fails_then_resyncs_from_a_snapshot(fleet: dict) -> None:

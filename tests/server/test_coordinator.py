@@ -95,3 +95,17 @@ def test_writer_batches_concurrent_uploads_each_with_its_outcome(coord: Coordina
     assert all(isinstance(r, UploadReceipt) for r in done)
     assert writer.batches == 1
     assert coord.round_metrics(task_id)[0].participants == 40
+
+
+def test_an_in_process_upload_counts_its_binary_form_like_the_rest_route(
+        coord: Coordinator, tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert))
+    dev, _ = coord.enroll(task_id)
+    plan = coord.open_round(task_id)
+
+    coord.submit(task_id, dev, Upload.build(plan, np.ones((plan.steps, plan.perturbations)),
+                                            4, 0.1))
+    coord.close_round(task_id)
+
+    # bytes on the wire: the 16-byte header and 4 bytes per scalar, not the JSON form
+    assert coord.round_metrics(task_id)[0].upload_bytes == 16 + 4 * plan.steps * plan.perturbations

@@ -210,18 +210,14 @@ def small_tmpfs(path: Path, size: str = "16m") -> Iterator[Path]:
 def fill(path: Path) -> Path:
     """Fill the file system of `path` to the last byte; returns the filler file."""
     filler = path / "filler"
-    with open(filler, "wb") as f:
-        chunk = b"\0" * (1 << 16)
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    with contextlib.suppress(OSError), open(path / "filler2", "wb") as f:  # the last bytes
-        while True:
-            f.write(b"\0")
-            f.flush()
+    # Unbuffered: a buffered file would retry its unwritten tail on close and raise there.
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
     return filler
 
 
@@ -263,6 +259,4 @@ def test_disk_full_during_close_answers_503_then_recovers(
             assert status["version"] == 0
             assert version_files(store) == before
             os.unlink(filler)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(store / "filler2")
             close_and_check_replay(client, task_id, spec, participants=2)

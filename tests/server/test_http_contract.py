@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from httpx import Response
-from seedfed.server.api.openapi import ErrorBody
+from pydantic import BaseModel
+from seedfed.server.api.openapi import ErrorBody, install
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
 from seedfed.server.runtime import Runtime
@@ -287,3 +289,22 @@ def test_framework_errors_answer_the_same_error_body(world: World,
 
     assert 400 <= r.status_code < 500, r.text
     ErrorBody.model_validate(r.json())
+
+
+class _Body(BaseModel):
+    x: int
+
+
+def test_a_route_that_lists_no_errors_still_documents_the_apps_422() -> None:
+    app = FastAPI()
+
+    @app.post("/x")
+    def route(body: _Body) -> int:
+        return body.x
+
+    install(app)
+    doc = app.openapi()
+
+    schema = doc["paths"]["/x"]["post"]["responses"]["422"]["content"]["application/json"]
+    assert schema["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+    assert "HTTPValidationError" not in doc["components"]["schemas"]

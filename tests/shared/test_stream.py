@@ -127,3 +127,12 @@ def test_perturbed_equals_clone_then_add_seeds_bitwise():
     got = stream.perturbed(x, "w", 12345, 3e-3)
     assert torch.equal(got, expected)
     assert got.data_ptr() != x.data_ptr()
+
+
+def test_perturbed_pair_gives_the_bits_of_two_perturbed_calls():
+    x = torch.randn(3 * stream.CHUNK_ELEMENTS // 2 + 7, generator=torch.Generator().manual_seed(2))
+
+    plus, minus = stream.perturbed_pair(x, "w", 9, 1e-3)
+
+    assert torch.equal(plus, stream.perturbed(x, "w", 9, 1e-3))
+    assert torch.equal(minus, stream.perturbed(x, "w", 9, -1e-3))

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request, status
 from fastapi.concurrency import run_in_threadpool
+from seedfed.shared.messages import HEADER_LOSS, HEADER_NUM_EXAMPLES, HEADER_VERSION
 from seedfed.shared.wire import MAX_NUM_EXAMPLES, MAX_VERSION, LogEntryWire, RoundPlan, Upload
 
 from ... import service
@@ -23,10 +24,10 @@ _UPLOAD_DOC: dict[str, Any] = {
                     "schema": {"type": "string", "maxLength": 32},
                     "description": "binary form only (required with it): " + what}
                    for name, what in (
-                       ("X-Seedfed-Version", f"model version, integer 0..{MAX_VERSION}"),
-                       ("X-Seedfed-Num-Examples",
+                       (HEADER_VERSION, f"model version, integer 0..{MAX_VERSION}"),
+                       (HEADER_NUM_EXAMPLES,
                         f"example count, integer 1..{MAX_NUM_EXAMPLES}"),
-                       ("X-Seedfed-Loss", "mean loss, a finite float"))],
+                       (HEADER_LOSS, "mean loss, a finite float"))],
     "requestBody": {
         "required": True,
         "content": {
