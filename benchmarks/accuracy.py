@@ -1,24 +1,26 @@
-"""Accuracy benchmark: federated ZO vs centralized ZO vs first-order FedAvg on SST-2 + MiniLM.
+"""Accuracy benchmark on SST-2 + MiniLM: federated ZO through the real round code, beside the
+first-order references, on the benchmark's held-out test split.
 
-One run, side by side, on one fixed split carved from ../shared/data/sst2/train.tsv:
+Every federated ZO method is `seedfed simulate` on the in-process engine (`seedfed.simulate.run`
+with `engine="inprocess"`): the coordinator (SQLite), the ServerApp strategy, the ClientApp over
+the device core and the coordinator's round close, the same code as a deployment, with only the
+transport removed. The first-order references train on exactly the examples the simulated
+devices hold (`DeviceData` partitions of the same pool):
 
-- fed_zo:     the in-process federated loop. Each round samples devices; each runs
-              `LocalTrainer.run` on its Dirichlet(alpha) partition with the round's seeds; the
-              coordinator math (`build_entry` + `apply_seeds`) turns the scalars into the shared
-              update -- exactly what the coordinator runs, without the transport.
-- central_zo: one device holding the union of the partitions, the same recipe and the same
-              number of example-forwards (`--central-batch`: the round's pooled batch by default,
-              i.e. as many seeds and model calls of K x B examples as the fleet; or B to spend
-              the same budget on K times as many steps of the device batch).
-- fedavg_fo:  first-order FedAvg: each sampled device runs backprop + AdamW on its partition
-              from the global weights, the coordinator averages weights by example count.
-- zero_shot:  version 0 (prototype head from the label descriptions), and
-- probe:      a logistic-regression probe on the frozen sentence embeddings of the same pool.
+- zero_shot:      version 0 (the prototype head from the label descriptions).
+- probe:          first-order linear probe (logistic regression) on the frozen embeddings.
+- fo_full:        first-order full fine-tune, centralized (AdamW on the whole model): the ceiling.
+- fedavg_fo_lora: first-order FedAvg of LoRA (each device backprop + AdamW, weights averaged).
+- fed_zo_head, fed_zo_head_int8, fed_zo_head_int4: federated ZO of the recipe (client.recipes)
+                  on the fp32, int8 and int4 shared model. (No body recipe yet: the body scopes
+                  measured so far do not beat the head under ZO; docs/accuracy.md.)
 
-Writes JSON (--out), prints a table and saves a PNG next to the JSON.
+    python benchmarks/accuracy.py --data PATH/sst2/train.tsv --repeats 3     # everything
+    python benchmarks/accuracy.py --data ... --methods zero_shot,fed_zo_head --rounds 20   # a look
+    python benchmarks/accuracy.py --data ... --on-validation ...             # tune on validation
 
-    python benchmarks/accuracy.py                      # the recipe of docs/accuracy.md
-    python benchmarks/accuracy.py --rounds 50 --methods fed_zo,zero_shot   # quick look
+Writes JSON (--out), a PNG beside it (accuracy against wall time and against example-forwards)
+and prints a table with model calls, example-forwards and wall time beside each method.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -35,48 +37,53 @@ from typing import Any
 
 import numpy as np
 import torch
+from seedfed.client import recipes
+from seedfed.client.data import Examples, train_batches
+from seedfed.client.device_data import DeviceData, dataset_splits, load_device_examples
+from seedfed.client.evaluate import accuracy
+from seedfed.client.trainer import classification_loss
+from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.task import TaskSpec
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from seedfed.client import recipes  # noqa: E402
-from seedfed.client.data import (
-    Examples,
-    dirichlet_partition,
-    load_labelled,
-    split,
-    train_batches,  # noqa: E402
-)
-from seedfed.client.evaluate import accuracy, warm_cache  # noqa: E402
-from seedfed.client.trainer import LocalTrainer, classification_loss  # noqa: E402
-from seedfed.shared.aggregate import build_entry  # noqa: E402
-from seedfed.shared.models import ModelBundle, build_model  # noqa: E402
-from seedfed.shared.replay import apply_seeds, checksum  # noqa: E402
-from seedfed.shared.task import TaskSpec  # noqa: E402
-from seedfed.shared.wire import RoundPlan  # noqa: E402
-
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "train.tsv"
-SEED_LIMIT = 1 << 53  # wire seeds stay exact in JSON doubles (shared.wire.Seed)
+ZO_METHODS = ("fed_zo_head", "fed_zo_head_int8", "fed_zo_head_int4")
+FO_METHODS = ("zero_shot", "probe", "fo_full", "fedavg_fo_lora")
+ALL_METHODS = FO_METHODS + ZO_METHODS
 
 
 @dataclass(frozen=True)
-class FedConfig:
+class Fleet:
+    """The simulated fleet's data: the same for every method."""
+
+    data: Path
     devices: int = 20
     alpha: float = 0.5
-    train_pool: int = 8000  # training examples spread over the devices
+    pool: int = 8000  # training examples spread over the devices (0: the whole split)
     test_size: int = 1000
-    rounds: int = 300
-    per_round: int = 5  # devices sampled per round
-    eval_every: int = 50
-    seed: int = 0  # the split and the partition
-    run_seed: int = 0  # the training randomness: device sampling, batches, perturbation seeds
+    seed: int = 0  # the split's pool and the Dirichlet partition
+    on_validation: bool = False
+
+    def device_data(self) -> DeviceData:
+        return DeviceData(source=str(self.data), num_partitions=self.devices, alpha=self.alpha,
+                          seed=self.seed, pool=self.pool)
+
+    def train_sets(self) -> list[Examples]:
+        """What each simulated device trains on (its partition less its local held-out)."""
+        base = self.device_data()
+        return [load_device_examples(replace(base, partition_id=i))[0]
+                for i in range(self.devices)]
+
+    def test(self) -> Examples:
+        splits = dataset_splits(str(self.data))
+        held = splits.validation if self.on_validation else splits.test
+        return held.subset(range(min(self.test_size, len(held))))
 
 
 @dataclass
 class Curve:
     method: str
-    points: list[dict[str, float]] = field(default_factory=list)  # x, accuracy, loss
+    points: list[dict[str, float]] = field(default_factory=list)  # round/x, seconds, accuracy
     final_accuracy: float = 0.0
-    forwards: int = 0  # model calls (each on one batch)
+    model_calls: int = 0  # probes (ZO: two per seed) or backprop steps (FO)
     example_forwards: int = 0  # sum of batch sizes over model calls
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -86,376 +93,279 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def carve(data: Path, cfg: FedConfig) -> tuple[Examples, list[np.ndarray], Examples, Examples]:
-    """(training pool, device partitions of it, validation, test): all fixed by cfg.seed."""
-    splits = split(load_labelled(data))
-    rng = np.random.default_rng([cfg.seed, 1])
-    pool_idx = np.sort(rng.permutation(len(splits.train))[:cfg.train_pool])
-    pool = splits.train.subset(pool_idx)
-    parts = dirichlet_partition(pool.labels, cfg.devices, cfg.alpha, rng, min_size=4)
-    test = splits.test.subset(range(min(cfg.test_size, len(splits.test))))
-    return pool, parts, splits.validation, test
+# -- federated ZO: seedfed simulate, in process --------------------------------------------------
+def _zo_recipe(method: str, model: str | None) -> recipes.Recipe:
+    fmt = method.rsplit("_", 1)[1] if method.endswith(("int8", "int4")) else "fp32"
+    return recipes.sst2_recipe(model, fmt=fmt)
 
 
-def _seeds(rng: np.random.Generator, steps: int, perturbations: int) -> list[list[int]]:
-    return rng.integers(0, SEED_LIMIT, size=(steps, perturbations), dtype=np.uint64).tolist()
+def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eval_every: int,
+           out_dir: Path) -> Curve:
+    """One federated ZO run of the method's recipe through `seedfed.simulate.run`."""
+    from seedfed.simulate import SimulationConfig, run
 
-
-def _eval(curve: Curve, bundle: ModelBundle, test: Examples, x: float, loss: float) -> None:
-    acc = accuracy(bundle, test).accuracy
-    curve.points.append({"x": x, "accuracy": acc, "loss": loss})
-    _log(f"  {curve.method:11s} x={x:>9.0f} acc={acc:.4f} loss={loss:.4f}")
-
-
-class Models:
-    """One model per scope, built once, its version 0 kept: every method restarts from the same
-    version 0 and shares the per-example feature cache (each example is encoded once, as a
-    device encodes its private examples once when only the top of the model trains)."""
-
-    def __init__(self) -> None:
-        self._built: dict[str, tuple[ModelBundle, dict[str, torch.Tensor]]] = {}
-
-    def get(self, spec: TaskSpec) -> ModelBundle:
-        key = json.dumps(replace(spec, hyper=replace(spec.hyper, batch_size=1)).to_dict(),
-                         sort_keys=True, default=str)
-        if key not in self._built:
-            bundle = build_model(spec, initialize=True)
-            self._built[key] = (bundle, bundle.scope.read())
-        bundle, v0 = self._built[key]
-        bundle.scope.write(v0)
-        bundle.spec = spec
-        return bundle
-
-
-def fed_zo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: Examples,
-           cfg: FedConfig) -> Curve:
-    """Federated ZO, in process: the coordinator's math on the devices' scalars."""
-    spec = bundle.spec
-    hyper = spec.hyper
-    trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
-    device_data = [pool.subset(p) for p in parts]
-    streams = [train_batches(d, bundle.tokenizer, hyper.batch_size, spec.max_seq_len,
-                             np.random.default_rng([cfg.seed, 2, i, cfg.run_seed]))
-               for i, d in enumerate(device_data)]
-    rng = np.random.default_rng([cfg.seed, 3, cfg.run_seed])
-    curve = Curve("fed_zo", extra={"scope_numel": bundle.scope.numel,
-                                   "upload_bytes_per_device_round": 4 * hyper.steps
-                                   * hyper.perturbations})
-    started = time.perf_counter()
-    _eval(curve, bundle, test, 0, math.nan)
-    losses: list[float] = []
-    for r in range(cfg.rounds):
-        chosen = rng.choice(cfg.devices, size=cfg.per_round, replace=False)
-        plan = RoundPlan(task_id="bench", round=r, version=r,
-                         seeds=_seeds(rng, hyper.steps, hyper.perturbations), lr=hyper.lr,
-                         eps=hyper.eps, batch_size=hyper.batch_size, scope=spec.scope)
-        g, weights = [], []
-        for d in chosen:
-            res = trainer.run(plan, streams[d])
-            g.append(res.scalars.reshape(-1))
-            weights.append(len(device_data[d]))  # n_k, as the devices report it
-            losses.append(res.loss)
-            curve.forwards += res.forwards
-            curve.example_forwards += res.forwards * res.num_examples // hyper.steps
-        entry = build_entry("bench", r, plan.flat_seeds, np.stack(g), np.array(weights, float),
-                            hyper.lr, hyper.perturbations, spec.aggregation)
-        apply_seeds(bundle.scope, entry.seeds, entry.coefs)
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-            _eval(curve, bundle, test, curve.example_forwards, float(np.mean(losses)))
-            losses = []
-    curve.wall_seconds = time.perf_counter() - started
-    curve.final_accuracy = curve.points[-1]["accuracy"]
-    curve.extra["final_checksum"] = checksum(bundle.scope)
-    return curve
-
-
-def central_zo(models: Models, spec: TaskSpec, pool: Examples, parts: list[np.ndarray],
-               test: Examples, cfg: FedConfig, budget: int, batch: int) -> Curve:
-    """One device with all the data, the same recipe, `budget` example-forwards."""
-    hyper = replace(spec.hyper, batch_size=batch)
-    bundle = models.get(replace(spec, hyper=hyper))
-    trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss)
-    union = pool.subset(np.sort(np.concatenate(parts)))
-    stream = train_batches(union, bundle.tokenizer, batch, spec.max_seq_len,
-                           np.random.default_rng([cfg.seed, 4, cfg.run_seed]))
-    rng = np.random.default_rng([cfg.seed, 5, cfg.run_seed])
-    per_step = 2 * hyper.perturbations * batch
-    total_steps = max(1, budget // per_step)
-    chunk = max(1, total_steps // max(1, cfg.rounds // cfg.eval_every))
-    curve = Curve(f"central_zo_b{batch}")
-    started = time.perf_counter()
-    _eval(curve, bundle, test, 0, math.nan)
-    done = 0
-    while done < total_steps:
-        n = min(chunk, total_steps - done)
-        plan = RoundPlan(task_id="bench", round=done, version=done,
-                         seeds=_seeds(rng, n, hyper.perturbations), lr=hyper.lr, eps=hyper.eps,
-                         batch_size=batch, scope=spec.scope)
-        res = trainer.run(plan, stream, keep=True)
-        done += n
-        curve.forwards += res.forwards
-        curve.example_forwards += res.forwards * batch
-        _eval(curve, bundle, test, curve.example_forwards, res.loss)
-    curve.wall_seconds = time.perf_counter() - started
+    recipe = _zo_recipe(method, model)
+    spec = recipe.spec
+    n_rounds = rounds or recipe.rounds
+    config = SimulationConfig(
+        out=out_dir, devices=fleet.devices, rounds=n_rounds, model=model, data=str(fleet.data),
+        alpha=fleet.alpha, scope="head", format=spec.format, seed=fleet.seed,
+        devices_per_round=recipe.per_round,
+        eval_size=fleet.test_size, engine="inprocess", pool=fleet.pool,
+        eval_every=eval_every, sync_after_round=False,
+        eval_on_validation=fleet.on_validation)
+    report = run(config)
+    h = spec.hyper
+    per_device_calls = (1 if h.one_sided else 2) * h.steps * h.perturbations
+    calls = sum(r.participants for r in report.rounds) * per_device_calls
+    curve = Curve(method, model_calls=calls, example_forwards=calls * h.batch_size,
+                  wall_seconds=report.wall_seconds,
+                  extra={"scope": spec.scope, "format": spec.format,
+                         "scope_numel": report.scope_numel, "rounds": n_rounds,
+                         "devices_per_round": recipe.per_round, "hyper": asdict(h),
+                         "final_checksum": report.final_checksum})
+    elapsed = 0.0
+    curve.points.append({"round": 0, "seconds": 0.0, "accuracy": report.initial_accuracy or 0})
+    for r in report.rounds:
+        elapsed += r.seconds
+        if r.accuracy is not None:
+            curve.points.append({"round": r.round, "seconds": elapsed, "accuracy": r.accuracy})
     curve.final_accuracy = curve.points[-1]["accuracy"]
     return curve
 
 
-def fedavg_fo(bundle: ModelBundle, pool: Examples, parts: list[np.ndarray], test: Examples,
-              cfg: FedConfig, rounds: int, local_steps: int, lr: float, batch: int) -> Curve:
-    """First-order FedAvg of the bundle's scope: each sampled device runs backprop + a fresh
-    AdamW from the global weights, the coordinator averages the scope by example count."""
-    model, scope = bundle.model, bundle.scope
-    params = [t.tensor for t in scope]
-    device_data = [pool.subset(p) for p in parts]
-    streams = [train_batches(d, bundle.tokenizer, batch, bundle.spec.max_seq_len,
-                             np.random.default_rng([cfg.seed, 6, i, cfg.run_seed]))
-               for i, d in enumerate(device_data)]
-    rng = np.random.default_rng([cfg.seed, 7, cfg.run_seed])
-    curve = Curve(f"fedavg_fo_{bundle.spec.scope}", extra={
-        "rounds": rounds, "local_steps": local_steps, "lr": lr, "batch_size": batch,
-        "scope_numel": scope.numel})
-    started = time.perf_counter()
-    _eval(curve, bundle, test, 0, math.nan)
-    every = max(1, rounds // 6)
-    model.eval()  # dropout off, as in the ZO runs
-    for r in range(rounds):
-        chosen = rng.choice(cfg.devices, size=cfg.per_round, replace=False)
-        global_state = scope.read()
-        summed = {n: torch.zeros_like(v) for n, v in global_state.items()}
-        total, losses = 0, []
-        for d in chosen:
-            scope.write(global_state)
-            for p in params:
-                p.requires_grad_(True)
-            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-            n_ex = 0
-            for _ in range(local_steps):
-                b = next(streams[d])
-                loss = classification_loss(model, b)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-                n_ex += int(b["labels"].shape[0])
-                curve.forwards += 1
-                curve.example_forwards += int(b["labels"].shape[0])
-            for p in params:
-                p.requires_grad_(False)
-                p.grad = None
-            for n, v in scope.read().items():  # weighted by n_k, as FedAvg
-                summed[n] += len(device_data[d]) * v
-            total += len(device_data[d])
-        scope.write({n: v / total for n, v in summed.items()})
-        if (r + 1) % every == 0 or r + 1 == rounds:
-            _eval(curve, bundle, test, curve.example_forwards, float(np.mean(losses)))
-    curve.wall_seconds = time.perf_counter() - started
-    curve.final_accuracy = curve.points[-1]["accuracy"]
-    return curve
+# -- first-order references ----------------------------------------------------------------------
+def _bundle(spec: TaskSpec) -> ModelBundle:
+    return build_model(spec, initialize=True)
 
 
-def zero_shot_and_probe(models: Models, spec: TaskSpec, pool: Examples,
-                        parts: list[np.ndarray], test: Examples) -> tuple[Curve, Curve]:
-    """Version 0, and a logistic-regression probe (full-batch Adam) on frozen embeddings."""
-    bundle = models.get(replace(spec, scope="named", scope_options={"patterns": ("classifier",)}))
+def zero_shot(spec: TaskSpec, test: Examples) -> Curve:
     started = time.perf_counter()
-    zs = Curve("zero_shot")
-    zs.final_accuracy = accuracy(bundle, test).accuracy
-    zs.wall_seconds = time.perf_counter() - started
-    union = pool.subset(np.sort(np.concatenate(parts)))
+    bundle = _bundle(spec)
+    c = Curve("zero_shot", final_accuracy=accuracy(bundle, test).accuracy)
+    c.wall_seconds = time.perf_counter() - started
+    return c
+
+
+def probe(spec: TaskSpec, union: Examples, test: Examples) -> Curve:
+    """Logistic regression (full-batch Adam) on the frozen sentence embeddings of the pool."""
+    from seedfed.client.data import tokenize
+
+    started = time.perf_counter()
+    bundle = _bundle(spec)
     model: Any = bundle.model
-    started = time.perf_counter()
     with torch.no_grad():
-        feats = torch.cat([_embed(bundle, union.texts[i:i + 128])
+        feats = torch.cat([model.embed(**tokenize(bundle.tokenizer, union.texts[i:i + 128],
+                                                  None, spec.max_seq_len))
                            for i in range(0, len(union), 128)])
     y = torch.as_tensor(union.labels)
     head = model.classifier
-    w0, b0 = head.weight.detach().clone(), head.bias.detach().clone()
-    w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    w = head.weight.detach().clone().requires_grad_(True)
+    b = head.bias.detach().clone().requires_grad_(True)
     opt = torch.optim.Adam([w, b], lr=0.05)
     for _ in range(1000):
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(feats @ w.T + b, y)
-        loss.backward()
+        torch.nn.functional.cross_entropy(feats @ w.T + b, y).backward()
         opt.step()
     with torch.no_grad():
         head.weight.copy_(w)
         head.bias.copy_(b)
-    probe = Curve("probe", extra={"train_examples": len(union)})
-    probe.final_accuracy = accuracy(bundle, test).accuracy
-    probe.wall_seconds = time.perf_counter() - started
-    return zs, probe
+    c = Curve("probe", final_accuracy=accuracy(bundle, test).accuracy,
+              model_calls=len(range(0, len(union), 128)), example_forwards=len(union))
+    c.wall_seconds = time.perf_counter() - started
+    return c
 
 
-def _embed(bundle: ModelBundle, texts: tuple[str, ...]) -> torch.Tensor:
-    from seedfed.client.data import tokenize
+def fo_full(spec: TaskSpec, union: Examples, test: Examples, epochs: int, lr: float,
+            batch: int, seed: int) -> Curve:
+    """Centralized first-order fine-tune of the whole model (AdamW): the ceiling."""
+    started = time.perf_counter()
+    bundle = _bundle(replace(spec, scope="full", scope_options={}))
+    params = [t.tensor for t in bundle.scope]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    stream = train_batches(union, bundle.tokenizer, batch, spec.max_seq_len,
+                           np.random.default_rng([seed, 8]))
+    steps = epochs * math.ceil(len(union) / batch)
+    c = Curve("fo_full", extra={"epochs": epochs, "lr": lr, "batch_size": batch})
+    bundle.model.eval()  # dropout off, as in the ZO runs
+    for step in range(steps):
+        b = next(stream)
+        loss = classification_loss(bundle.model, b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        c.model_calls += 1
+        c.example_forwards += int(b["labels"].shape[0])
+        if (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
+            with torch.no_grad():
+                acc = accuracy(bundle, test).accuracy
+            c.points.append({"round": step + 1, "seconds": time.perf_counter() - started,
+                             "accuracy": acc})
+            _log(f"  fo_full step {step + 1}/{steps}: {acc:.4f}")
+    c.final_accuracy = c.points[-1]["accuracy"]
+    c.wall_seconds = time.perf_counter() - started
+    return c
 
-    batch = tokenize(bundle.tokenizer, texts, None, bundle.spec.max_seq_len)
-    return bundle.model.embed(**batch)  # type: ignore[operator]
+
+def fedavg_fo_lora(spec: TaskSpec, train_sets: list[Examples], test: Examples, rounds: int,
+                   local_steps: int, lr: float, batch: int, seed: int) -> Curve:
+    """First-order FedAvg of LoRA: every device runs backprop + a fresh AdamW from the global
+    adapter, the coordinator averages the adapters by example count (FedAvg's n_k)."""
+    started = time.perf_counter()
+    bundle = _bundle(replace(spec, scope="lora", scope_options={}))
+    scope, params = bundle.scope, [t.tensor for t in bundle.scope]
+    streams = [train_batches(d, bundle.tokenizer, batch, spec.max_seq_len,
+                             np.random.default_rng([seed, 6, i]))
+               for i, d in enumerate(train_sets)]
+    c = Curve("fedavg_fo_lora", extra={"rounds": rounds, "local_steps": local_steps, "lr": lr,
+                                       "scope_numel": scope.numel})
+    bundle.model.eval()
+    for r in range(rounds):
+        global_state = scope.read()
+        summed = {n: torch.zeros_like(v) for n, v in global_state.items()}
+        total = 0
+        for d, data in enumerate(train_sets):
+            scope.write(global_state)
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+            for _ in range(local_steps):
+                b = next(streams[d])
+                loss = classification_loss(bundle.model, b)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                c.model_calls += 1
+                c.example_forwards += int(b["labels"].shape[0])
+            for p in params:
+                p.requires_grad_(False)
+                p.grad = None
+            for n, v in scope.read().items():
+                summed[n] += len(data) * v
+            total += len(data)
+        scope.write({n: v / total for n, v in summed.items()})
+        if (r + 1) % max(1, rounds // 4) == 0 or r + 1 == rounds:
+            acc = accuracy(bundle, test).accuracy
+            c.points.append({"round": r + 1, "seconds": time.perf_counter() - started,
+                             "accuracy": acc})
+            _log(f"  fedavg_fo_lora round {r + 1}/{rounds}: {acc:.4f}")
+    c.final_accuracy = c.points[-1]["accuracy"]
+    c.wall_seconds = time.perf_counter() - started
+    return c
 
 
-def plot(curves: list[Curve], refs: dict[str, float], path: Path) -> None:
+# -- report --------------------------------------------------------------------------------------
+def plot(curves: list[Curve], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in curves:
-        if c.points:
-            ax.plot([p["x"] for p in c.points], [p["accuracy"] for p in c.points],
-                    marker="o", ms=3, label=c.method)
-    for i, (name, acc) in enumerate(refs.items()):
-        ax.axhline(acc, ls="--", lw=1, color=f"C{len(curves) + i}", label=f"{name} {acc:.3f}")
-    ax.set_xscale("symlog", linthresh=1000)  # FO needs orders of magnitude fewer forwards
-    ax.set_xlim(left=0)
-    ax.set_xlabel("example-forwards (sum of batch sizes over model calls, log)")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title("SST-2, MiniLM-L6, Dirichlet non-IID devices")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, c in enumerate(curves):
+        if len(c.points) > 1:
+            ax1.plot([p["seconds"] / 60 for p in c.points], [p["accuracy"] for p in c.points],
+                     marker="o", ms=3, color=f"C{i}", label=c.method)
+        ax2.bar(i, c.final_accuracy, color=f"C{i}")
+    ax1.set_xlabel("wall time (minutes, 2 shared cores)")
+    ax1.set_ylabel("held-out accuracy")
+    ax1.set_title("Accuracy against wall time")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_xticks(range(len(curves)), [c.method for c in curves], rotation=30, ha="right",
+                   fontsize=8)
+    lo = min((c.final_accuracy for c in curves), default=0.5)
+    ax2.set_ylim(max(0.0, lo - 0.05), 1.0)
+    ax2.set_ylabel("final held-out accuracy")
+    ax2.set_title("SST-2, MiniLM-L6, 20 Dirichlet(0.5) devices")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def table(curves: list[Curve], repeats: dict[str, list[float]]) -> str:
+    lines = [f"{'method':18s} {'accuracy':>8s} {'runs':>21s} {'model calls':>11s} "
+             f"{'example-fwd':>12s} {'wall s':>8s}"]
+    for c in curves:
+        runs = repeats.get(c.method, [c.final_accuracy])
+        spread = " ".join(f"{a:.3f}" for a in runs)
+        lines.append(f"{c.method:18s} {float(np.mean(runs)):8.4f} {spread:>21s} "
+                     f"{c.model_calls:11d} {c.example_forwards:12d} {c.wall_seconds:8.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, required=True, help="SST-2 train.tsv (label, sentence)")
     ap.add_argument("--model", default=None, help="local HF dir (default: packaged MiniLM)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/accuracy.json"))
-    ap.add_argument("--methods", default="zero_shot,probe,fed_zo,central_zo,fedavg_fo",
-                    help="also: fedavg_fo_full (first-order FedAvg of the whole model; slow)")
-    ap.add_argument("--devices", type=int, default=FedConfig.devices)
-    ap.add_argument("--alpha", type=float, default=FedConfig.alpha)
-    ap.add_argument("--train-pool", type=int, default=FedConfig.train_pool)
-    ap.add_argument("--test-size", type=int, default=FedConfig.test_size)
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--per-round", type=int, default=None)
-    ap.add_argument("--eval-every", type=int, default=None)
-    ap.add_argument("--scope", default=None)
-    ap.add_argument("--patterns", default=None, help="comma list for the named scope")
-    ap.add_argument("--scope-options", default=None,
-                    help='JSON scope options, e.g. \'{"layers": ["encoder.layer.5."]}\'')
-    ap.add_argument("--format", default=None, choices=["fp32", "int8", "int4"],
-                    help="shared model format: int8/int4 quantize the encoder's Linear layers")
-    ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--eps", type=float, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--perturbations", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=None)
-    ap.add_argument("--max-len", type=int, default=None)
-    ap.add_argument("--central-batch", default="pooled", help="pooled, device, or both")
-    ap.add_argument("--fo-rounds", type=int, default=30)
-    ap.add_argument("--fo-steps", type=int, default=4)
-    ap.add_argument("--fo-lr", type=float, default=1e-2, help="AdamW lr on the ZO scope")
-    ap.add_argument("--fo-full-rounds", type=int, default=5)
-    ap.add_argument("--fo-full-lr", type=float, default=5e-5, help="AdamW lr, whole model")
-    ap.add_argument("--on-validation", action="store_true", help="score on the validation "
-                    "split (for tuning) instead of the test split")
-    ap.add_argument("--fo-batch", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run the ZO methods this many times (training seeds 0..R-1, same "
-                         "split) and report mean and sd")
+    ap.add_argument("--methods", default=",".join(ALL_METHODS))
+    ap.add_argument("--devices", type=int, default=Fleet.devices)
+    ap.add_argument("--alpha", type=float, default=Fleet.alpha)
+    ap.add_argument("--pool", type=int, default=Fleet.pool)
+    ap.add_argument("--test-size", type=int, default=Fleet.test_size)
+    ap.add_argument("--rounds", type=int, default=None, help="ZO rounds (default: recipe's)")
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=1, help="independent training runs of each "
+                    "ZO method (fresh task secret, so fresh seeds and batches); mean reported")
+    ap.add_argument("--fo-epochs", type=int, default=1)
+    ap.add_argument("--fo-lr", type=float, default=5e-5)
+    ap.add_argument("--fedavg-rounds", type=int, default=20)
+    ap.add_argument("--fedavg-steps", type=int, default=4)
+    ap.add_argument("--fedavg-lr", type=float, default=1e-3)
+    ap.add_argument("--on-validation", action="store_true",
+                    help="score the validation split (for tuning) instead of the test split")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    recipe = recipes.sst2_recipe(args.model)
-    spec = recipe.spec
-    hyper = spec.hyper
-    hyper = replace(hyper, **{k: v for k, v in {
-        "lr": args.lr, "eps": args.eps, "steps": args.steps, "perturbations": args.perturbations,
-        "batch_size": args.batch_size}.items() if v is not None})
-    changes: dict[str, Any] = {"hyper": hyper}
-    if args.scope:
-        changes["scope"] = args.scope
-        changes["scope_options"] = {}
-    if args.patterns:
-        changes["scope_options"] = {"patterns": tuple(args.patterns.split(","))}
-    if args.scope_options:
-        changes["scope_options"] = json.loads(args.scope_options)
-    if args.format:
-        changes["format"] = args.format
-    if args.max_len:
-        changes["max_seq_len"] = args.max_len
-    spec = replace(spec, **changes)
-    cfg = FedConfig(devices=args.devices, alpha=args.alpha, train_pool=args.train_pool,
-                    test_size=args.test_size, rounds=args.rounds or recipe.rounds,
-                    per_round=args.per_round or recipe.per_round, seed=args.seed,
-                    eval_every=args.eval_every or max(1, (args.rounds or recipe.rounds) // 6))
-    methods = args.methods.split(",")
-    pool, parts, val, test = carve(args.data, cfg)
-    if args.on_validation:
-        test = val.subset(range(min(cfg.test_size, len(val))))
-    _log(f"pool {len(pool)} examples on {cfg.devices} devices (sizes "
-         f"{min(len(p) for p in parts)}..{max(len(p) for p in parts)}), test {len(test)}")
-    _log(f"spec: scope={spec.scope} {spec.scope_options} hyper={spec.hyper}")
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(ALL_METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS}")
+    fleet = Fleet(data=args.data, devices=args.devices, alpha=args.alpha, pool=args.pool,
+                  test_size=args.test_size, seed=args.seed, on_validation=args.on_validation)
+    test = fleet.test()
+    head_spec = recipes.sst2_recipe(args.model).spec
     curves: list[Curve] = []
-    refs: dict[str, float] = {}
-    models = Models()
-    started = time.perf_counter()
-    bundle = models.get(spec)
-    if getattr(bundle.model, "frozen_prefix", 0):
-        warm_cache(bundle, test)
-        warm_cache(bundle, pool)
-    _log(f"model + feature cache ready in {time.perf_counter() - started:.0f} s")
-    if "zero_shot" in methods or "probe" in methods:
-        zs, probe = zero_shot_and_probe(models, spec, pool, parts, test)
-        refs = {"zero_shot": zs.final_accuracy, "probe": probe.final_accuracy}
-        curves_ref = [zs, probe]
-        _log(f"zero-shot {zs.final_accuracy:.4f}  probe {probe.final_accuracy:.4f}")
-    else:
-        curves_ref = []
     repeats: dict[str, list[float]] = {}
-    for run_seed in range(args.repeats):  # the first run's curves are plotted
-        run_cfg = replace(cfg, run_seed=run_seed)
-        zo_curves: list[Curve] = []
-        fed = None
-        if "fed_zo" in methods:
-            fed = fed_zo(models.get(spec), pool, parts, test, run_cfg)
-            zo_curves.append(fed)
-        if "central_zo" in methods:
-            budget = fed.example_forwards if fed else (
-                cfg.rounds * cfg.per_round * hyper.steps * 2 * hyper.perturbations
-                * hyper.batch_size)
-            batches = {"pooled": [cfg.per_round * hyper.batch_size],
-                       "device": [hyper.batch_size],
-                       "both": [cfg.per_round * hyper.batch_size, hyper.batch_size]}
-            for b in batches[args.central_batch]:
-                zo_curves.append(central_zo(models, spec, pool, parts, test, run_cfg, budget, b))
-        for c in zo_curves:
-            repeats.setdefault(c.method, []).append(c.final_accuracy)
-        if run_seed == 0:
-            curves += zo_curves
-    if "fedavg_fo" in methods:
-        curves.append(fedavg_fo(models.get(spec), pool, parts, test, cfg, args.fo_rounds,
-                                args.fo_steps, args.fo_lr, args.fo_batch))
-    if "fedavg_fo_full" in methods:
-        curves.append(fedavg_fo(models.get(replace(spec, scope="full", scope_options={})),
-                                pool, parts, test, cfg, args.fo_full_rounds, args.fo_steps,
-                                args.fo_full_lr, args.fo_batch))
-    result = {
-        "benchmark": "accuracy", "data": str(args.data), "config": asdict(cfg),
-        "spec": spec.to_dict(), "torch_threads": torch.get_num_threads(),
-        "methods": {c.method: asdict(c) for c in curves_ref + curves},
-        "repeats": {m: {"accuracy": a, "mean": float(np.mean(a)), "sd": float(np.std(a))}
-                    for m, a in repeats.items()},
-    }
+    if set(methods) & set(FO_METHODS):
+        train_sets = fleet.train_sets()
+        union = Examples(tuple(t for d in train_sets for t in d.texts),
+                         np.concatenate([d.labels for d in train_sets]))
+        _log(f"{len(union)} training examples on {fleet.devices} devices, test {len(test)}")
+    if "zero_shot" in methods:
+        curves.append(zero_shot(head_spec, test))
+    if "probe" in methods:
+        curves.append(probe(head_spec, union, test))
+    if "fo_full" in methods:
+        curves.append(fo_full(head_spec, union, test, args.fo_epochs, args.fo_lr, 32, args.seed))
+    if "fedavg_fo_lora" in methods:
+        curves.append(fedavg_fo_lora(head_spec, train_sets, test, args.fedavg_rounds,
+                                     args.fedavg_steps, args.fedavg_lr, 16, args.seed))
+    for method in (m for m in ZO_METHODS if m in methods):
+        runs = []
+        for k in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix=f"{method}-") as tmp:
+                _log(f"{method} run {k + 1}/{args.repeats}")
+                runs.append(fed_zo(method, fleet, args.model, args.rounds, args.eval_every,
+                                   Path(tmp) / "run"))
+        curves.append(runs[0])  # the first run's curve is plotted
+        repeats[method] = [r.final_accuracy for r in runs]
+        _log(f"{method}: {repeats[method]}")
+    result = {"benchmark": "accuracy", "fleet": {k: str(v) for k, v in asdict(fleet).items()},
+              "split": "validation" if args.on_validation else "test",
+              "torch_threads": torch.get_num_threads(),
+              "methods": {c.method: asdict(c) for c in curves},
+              "repeats": {m: {"accuracy": a, "mean": float(np.mean(a)), "sd": float(np.std(a))}
+                          for m, a in repeats.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str))
-    plot(curves, refs, args.out.with_suffix(".png"))
-    print(f"{'method':14s} {'accuracy':>8s} {'model calls':>11s} {'example-fwd':>11s} "
-          f"{'wall s':>8s}")
-    for c in curves_ref + curves:
-        print(f"{c.method:14s} {c.final_accuracy:8.4f} {c.forwards:11d} {c.example_forwards:11d} "
-              f"{c.wall_seconds:8.1f}")
-    if args.repeats > 1:
-        for m, a in repeats.items():
-            print(f"{m:14s} over {len(a)} training seeds: mean {np.mean(a):.4f} "
-                  f"sd {np.std(a):.4f} ({' '.join(f'{x:.3f}' for x in a)})")
+    plot(curves, args.out.with_suffix(".png"))
+    print(table(curves, repeats))
     return result
 
 

@@ -6,13 +6,14 @@ on the benchmark's own split and Dirichlet partition (`accuracy.carve`), scoring
 split (pass --test only to confirm a choice once).
 
     python benchmarks/body_sweep.py cache                      # encode once (states per layer)
-    python benchmarks/body_sweep.py fo --scopes head ln5 bitfit_all top1 ...   # FO ceilings
+    python benchmarks/body_sweep.py fo --scopes head ln5out lnb5 top1 ...  # FO ceilings
     python benchmarks/body_sweep.py zo --scope ffo5 --lr 4 --c-body 0.05 ...   # federated ZO
     python benchmarks/body_sweep.py cost                       # ms per probe for each scope
 
 How it stays fast (and the same math as `fed_zo`):
-- *cache*: the token states entering encoder layers 0, 4 and 5 (and, per format, of the int8 /
-  int4 quantized encoder) of every pool / validation sentence are computed once; every later
+- *cache*: the token states entering encoder layers 0, 3, 4, 5 and the final states (per
+  format: fp32, int8 / int4 quantized encoder) of every pool / validation / test sentence are
+  computed once (`runs/body_cache_<format>.pt`, ~1 GB); every later
   forward starts at the lowest layer a scope perturbs. The encoder layers run from a small
   functional BERT layer (`layer_forward`) checked against transformers' own on load.
 - *ZO*: Rademacher z, two-point estimate g = (L(phi + eps z) - L(phi - eps z)) / 2 eps,
@@ -47,10 +48,10 @@ from torch.nn import functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import DEFAULT_DATA, FedConfig, carve  # noqa: E402
 from seedfed.client import recipes  # noqa: E402
 from seedfed.client.data import tokenize  # noqa: E402
 from seedfed.shared.models import build_model  # noqa: E402
+from sweep_data import FedConfig, carve  # noqa: E402
 
 LAYERS_CACHED = (0, 3, 4, 5)  # states entering these encoder layers are stored
 HEADS = 12
@@ -313,7 +314,6 @@ class ZoRun:
     rank: int = 16
     per_round: int = 20
     eval_every: int = 50
-    init: str = "prototype"  # or "probe": start from a first-order-trained head (see docs)
 
 
 class ZoProblem:
@@ -564,7 +564,7 @@ def check_layers(cache: dict[str, Any]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["cache", "fo", "zo", "cost", "check"])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, required=True, help="SST-2 train.tsv (label, sentence)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--cache-dir", type=Path, default=Path("runs"))
     ap.add_argument("--format", default="fp32", choices=["fp32", "int8", "int4"])
@@ -616,8 +616,9 @@ def main() -> None:
                                  "curves": [r["curve"] for r in res],
                                  "seconds": [r["seconds"] for r in res],
                                  "numel": res[0]["numel"]})
+                    each = " ".join(f"{a:.3f}" for a in accs)
                     print(f"ZO {args.scope} lr {lr:g} eps {eps:g} c {c:g} P {run.perturbations} "
-                          f"R {run.rounds} mean {np.mean(accs):.4f} ({' '.join(f'{a:.3f}' for a in accs)}) "
+                          f"R {run.rounds} mean {np.mean(accs):.4f} ({each}) "
                           f"curve {[round(a, 3) for _, a in res[0]['curve']]} "
                           f"{np.mean([r['seconds'] for r in res]):.0f} s/run", flush=True)
     elif args.what == "cost":

@@ -89,11 +89,13 @@ def load_features(args: argparse.Namespace) -> dict[str, Any]:
     """MiniLM features of the benchmark's split (the head sweep's cache), or synthetic ones."""
     if args.synthetic:
         return synthetic_features(args.devices, seed=0)
-    from accuracy import DEFAULT_DATA, FedConfig  # noqa: I001 (benchmarks/ on sys.path)
-    from head_sweep import features
+    from head_sweep import features  # noqa: I001 (benchmarks/ on sys.path)
+    from sweep_data import FedConfig
 
     cache = args.cache or Path(f"runs/head_sweep_features_{args.train_pool}.pt")
-    return features(cache, args.data or DEFAULT_DATA, FedConfig(train_pool=args.train_pool),
+    if args.data is None:
+        raise SystemExit("--data (SST-2 train.tsv) is needed unless --synthetic")
+    return features(cache, args.data, FedConfig(train_pool=args.train_pool),
                     args.model)
 
 

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import DEFAULT_DATA, FedConfig, _embed, carve  # noqa: E402
 from seedfed.client import recipes  # noqa: E402
 from seedfed.shared.models import build_model  # noqa: E402
+from sweep_data import FedConfig, _embed, carve  # noqa: E402
 
 TEST_SPLIT = False  # --test: score the benchmark's test split (only to confirm a choice)
 
@@ -120,7 +120,7 @@ def run(f: dict, r: Run, seed: int, central: bool) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, required=True, help="SST-2 train.tsv (label, sentence)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--cache", type=Path, default=None,
                     help="feature cache (default runs/head_sweep_features_<pool>.pt)")

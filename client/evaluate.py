@@ -53,14 +53,6 @@ def predict(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATC
     return preds
 
 
-def warm_cache(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> None:
-    """Encode examples once in length-sorted batches, filling the model's feature cache (when
-    its bottom is frozen): far cheaper than encoding them in the small random training
-    batches, where padding to the longest text wastes most of the work."""
-    if getattr(bundle.model, "frozen_prefix", 0):
-        predict(bundle, examples, batch_size)
-
-
 def accuracy(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> Score:
     if len(examples) == 0:
         raise ValueError("cannot score an empty example set")

@@ -3,13 +3,14 @@
 Chosen by benchmarks/accuracy.py (table and reasoning in docs/accuracy.md). Both recipes start
 from the packaged sentence-transformers MiniLM (mean pooling + normalized embeddings), a head
 initialized from label-description prototypes, and a small scope, because ZO progress per
-forward pass falls with the number of trained parameters (DESIGN.md learning notes).
+forward pass falls with the number of trained parameters (docs/accuracy.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from seedfed.shared.scope_options import NamedOptions
 from seedfed.shared.task import Hyper, TaskSpec
 
 #: Label descriptions of SST-2; "|" separates alternatives averaged into one prototype.
@@ -49,13 +50,21 @@ def default_model_path() -> str:
 SST2_HYPER = Hyper(lr=4.0, eps=1e-3, steps=1, perturbations=64, batch_size=16)
 
 
-def sst2_recipe(model_path: str | None = None) -> Recipe:
+#: Shared-model formats the SST-2 recipe is measured for (docs/accuracy.md).
+RECIPE_FORMATS: tuple[str, ...] = ("fp32", "int8", "int4")
+
+
+def sst2_recipe(model_path: str | None = None, fmt: str = "fp32") -> Recipe:
     """SST-2 sentiment with MiniLM: federated ZO of the prototype head, 20 devices, all of
     them every round (sampling 5 of 20 Dirichlet-skewed devices costs 2 points of accuracy;
-    docs/accuracy.md)."""
+    docs/accuracy.md). `fmt`: the published format of the shared model (the encoder of an
+    int8/int4 task is quantized; the head trains in float)."""
+    if fmt not in RECIPE_FORMATS:
+        raise ValueError(f"recipe format must be one of {RECIPE_FORMATS}, got {fmt!r}")
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=SST2_LABEL_TEXTS, scope=HEAD_SCOPE,
-                    scope_options=dict(HEAD_OPTIONS), hyper=SST2_HYPER, max_seq_len=64)
+                    scope_options=NamedOptions(**HEAD_OPTIONS), hyper=SST2_HYPER, max_seq_len=64,
+                    format=fmt)
     return Recipe(spec=spec, rounds=300, per_round=20, devices=20)
 
 
@@ -73,5 +82,6 @@ def preference_recipe(model_path: str | None = None) -> Recipe:
 
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=PREFERENCE_LABEL_TEXTS, scope=HEAD_SCOPE,
-                    scope_options=dict(HEAD_OPTIONS), hyper=PREFERENCE_HYPER, max_seq_len=32)
+                    scope_options=NamedOptions(**HEAD_OPTIONS), hyper=PREFERENCE_HYPER,
+                    max_seq_len=32)
     return Recipe(spec=spec, rounds=30, per_round=5, devices=10)

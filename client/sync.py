@@ -154,7 +154,7 @@ def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: s
     if scope is not None and version is not None and version <= target and \
             scope.epoch == config.epoch_of(version) and \
             not crosses_epoch(config, version, target):
-        announced = {e.meta.get("mask_epoch", scope.epoch) for e in entries
+        announced = {scope.epoch if e.mask_epoch is None else e.mask_epoch for e in entries
                      if version <= e.base_version < target}
         if announced <= {scope.epoch}:
             try:

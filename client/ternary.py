@@ -38,13 +38,13 @@ from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, cl
 from seedfed.shared.errors import SeedfedError
 from seedfed.shared.models import ModelBundle, load_tokenizer, set_pad_token_id
 from seedfed.shared.replay import LogEntry
+from seedfed.shared.scope_options import TernaryOptions
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.ternary import (
     MaskConfig,
     TernaryScope,
     build_packed_model,
     load_published_ternary,
-    mask_config,
 )
 
 #: The `?format=` of the snapshot a ternary device downloads (the task's published format).
@@ -72,6 +72,12 @@ class PackedTernary:
     not be run. A snapshot rebuilds the layers and so replaces the scope; `trainer` follows it.
     """
 
+    @staticmethod
+    def options(spec: TaskSpec) -> TernaryOptions:
+        """The ternary scope options of the task (TaskSpec types them by its scope)."""
+        assert isinstance(spec.scope_options, TernaryOptions)
+        return spec.scope_options
+
     def __init__(self, spec: TaskSpec) -> None:
         if not is_ternary(spec):
             raise ValueError(f"task scope is {spec.scope!r}, not 'ternary'")
@@ -84,11 +90,10 @@ class PackedTernary:
                                      "to turn its texts into tokens")
         # The layers the coordinator's scope converts, with its act_bits, as empty packed
         # BitLinear modules; no fp32 ternary matrix is ever read.
-        self.model = build_packed_model(spec.model_path,
-                                        act_bits=spec.scope_options.get("act_bits", 8))
+        self.model = build_packed_model(spec.model_path, act_bits=self.options(spec).act_bits)
         set_pad_token_id(self.model, tokenizer)
         self.tokenizer, self.spec = tokenizer, spec
-        self.config: MaskConfig = mask_config(spec.scope_options)
+        self.config: MaskConfig = self.options(spec).mask
         self.loss = loss_for(spec)
         self.scope: TernaryScope | None = None
         self.version: int | None = None

@@ -162,7 +162,7 @@ class LocalTrainer:
         self.model = model.eval()  # dropout off: both probes of a seed must see the same function
         self.scope = scope
         self.loss_on_batch = loss_on_batch
-        self.perturber = Perturber(scope, mode)  # type: ignore[arg-type]
+        self.perturber = Perturber(scope, mode)
         copy_losses = copy_losses or COPY_LOSSES.get(loss_on_batch)
         if probes == "batched" and copy_losses is None:
             raise ValueError("probes='batched' needs a per-copy loss (copy_losses=)")

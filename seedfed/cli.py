@@ -158,8 +158,8 @@ def simulate(
     data: str = typer.Option("builtin", "--data", help="labelled TSV/JSONL (label, sentence); "
                              "default: the built-in personal-preference task"),
     alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet alpha of the non-IID split"),
-    scope: str = typer.Option("head", "--scope",
-                              help="trainable scope: head (the classifier), lora, full"),
+    scope: str = typer.Option("head", "--scope", help="trainable scope: head (the recipe's "
+                              "classifier head) or a scope name: lora, full, ..."),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option(None, "--out", help="run directory (default: runs/<timestamp>)"),
     db: str = typer.Option(None, "--db", help="coordinator database URL (default: SQLite in "
@@ -191,8 +191,7 @@ def simulate(
     try:
         config = SimulationConfig(
             out=run_dir, devices=devices, rounds=rounds, data=data, alpha=alpha, scope=scope,
-            seed=seed, engine=engine,
-            **{k: v for k, v in given.items() if v is not None})
+            seed=seed, engine=engine, **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run_with_progress(config)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from seedfed.shared.scope_options import options_for
 from seedfed.shared.task import Hyper, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class SimulationConfig:
     engine: str = "flower"  # "flower" (Simulation Engine) or "inprocess" (seedfed.inprocess)
     pool: int = 0  # > 0: the fleet shares this many training examples (DeviceData.pool)
     eval_every: int = 1  # score the held-out split every this many rounds (and the last)
+    eval_on_validation: bool = False  # score the validation split (tuning) instead of test
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
 
     def __post_init__(self) -> None:
@@ -115,19 +117,15 @@ class Report:
 
 def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> TaskSpec:
     """The task a simulation trains: the measured recipe (client/recipes.py) for the data,
-    with the command line's overrides. `--scope head` is the recipe's head-only scope."""
-    base = _recipe_spec(config.data, config.model)
-    scope, options = config.scope, {}
-    if scope == "head":
-        from seedfed.client.recipes import HEAD_OPTIONS, HEAD_SCOPE
-
-        scope, options = HEAD_SCOPE, dict(HEAD_OPTIONS)
-    elif scope == base.scope:
-        options = dict(base.scope_options)
-    hyper = base.hyper
-    if (scope, options) != (base.scope, dict(base.scope_options)):
+    with the command line's overrides. `--scope head` is the recipe's head-only scope; any
+    other scope name is a scope of shared.scopes with the conservative task defaults for lr
+    and eps."""
+    base = _recipe(config.data, config.model, config.format or "fp32").spec
+    scope, options, hyper = base.scope, base.scope_options, base.hyper
+    if config.scope != "head":
         # the recipe's lr/eps were tuned for its scope (a head-sized lr makes LoRA diverge):
         # other scopes start from the conservative task defaults unless told otherwise
+        scope, options = config.scope, options_for(config.scope)
         hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps)
     given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
              "steps": config.steps, "perturbations": config.perturbations}
@@ -136,12 +134,13 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
                    scope_options=options, hyper=hyper, format=config.format or base.format)
 
 
-def _recipe_spec(data: str, model: str | None) -> TaskSpec:
+def _recipe(data: str, model: str | None, fmt: str) -> Any:
     from seedfed.client import recipes
 
-    if data == DEFAULT_DATA and hasattr(recipes, "preference_recipe"):
-        return recipes.preference_recipe(model).spec  # type: ignore[no-any-return]
-    return recipes.sst2_recipe(model).spec
+    if data == DEFAULT_DATA:
+        base = recipes.preference_recipe(model)
+        return replace(base, spec=replace(base.spec, format=fmt))
+    return recipes.sst2_recipe(model, fmt=fmt)
 
 
 class Evaluator:
@@ -199,7 +198,8 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
     out.mkdir(parents=True, exist_ok=True)
     splits = _data_splits(config.data)
     spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
-    test = splits.test.subset(range(min(config.eval_size, len(splits.test))))
+    held = splits.validation if config.eval_on_validation else splits.test
+    test = held.subset(range(min(config.eval_size, len(held))))
     settings = Settings(database_url=config.db or f"sqlite:///{out / 'coordinator.db'}",
                         store_dir=out / "store")
     coordinator = Coordinator.open(settings)

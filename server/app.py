@@ -2,9 +2,9 @@
 
 `create_app(settings)` opens the runtime in the lifespan (engine, `alembic upgrade head`,
 model store, recovery of rounds a crash left aggregating), starts the upload writer and the
-ticker (closes rounds at quorum or deadline), maps the typed domain errors to HTTP statuses in
-one place, limits request bodies, and mounts the dashboard (`seedfed.server.dashboard.router`)
-when that module exists.
+ticker (closes rounds at quorum or deadline), answers every error with the status and body of
+`seedfed.server.errors` (one table, below the app), limits request bodies, and mounts the
+dashboard (`seedfed.server.dashboard.router`) when that module exists.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from seedfed.shared.errors import NonFiniteScalarError, SeedfedError, ShapeError, WireFormatError
+from seedfed.shared.errors import SeedfedError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import errors as E
 from . import service
 from .api.ingest import UploadFastPath
-from .api.openapi import error_payload, error_response, validation_issues
+from .api.openapi import error_response, validation_issues
 from .api.openapi import install as install_openapi
 from .api.routes import devices, join_tokens, log, ops, rounds, tasks
 from .runtime import Runtime, database_unavailable
@@ -37,42 +37,11 @@ from .settings import Settings
 
 logger = logging.getLogger("seedfed.server")
 
-#: The one mapping from domain errors to HTTP statuses (first match in MRO order wins).
-_STATUS: dict[type[BaseException], int] = {
-    E.MalformedRequestError: 400,
-    E.AuthenticationError: 401,
-    E.PermissionDeniedError: 403,
-    E.NotFoundError: 404,
-    E.ConflictError: 409,
-    E.PayloadTooLargeError: 413,
-    E.InvalidUploadError: 422,
-    E.InvalidTaskError: 422,
-    WireFormatError: 422,
-    ShapeError: 422,
-    NonFiniteScalarError: 422,
-    E.StoreError: 500,
-    E.UnavailableError: 503,
-    SeedfedError: 400,
-}
-
-
-#: Seconds a 503 (database or model store unavailable) asks the caller to wait.
-RETRY_AFTER_S = 2
-
-
-def status_of(exc: BaseException) -> int:
-    for cls in type(exc).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls]
-    return 500
-
-
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
-    code = status_of(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+    code = E.status_of(exc)
+    headers = E.error_headers(code) or None
     if code == 503:
         # An outage answers every request the same way: one line each, not a traceback.
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
         logger.warning("unavailable: %s: %s (cause: %s)", type(exc).__name__, exc,
                        (str(exc.__cause__).splitlines() or [""])[0] if exc.__cause__ else None)
     elif code >= 500:
@@ -146,7 +115,7 @@ class BodyLimit:
             await self._reject(send, seen)
 
     async def _reject(self, send: Send, size: int) -> None:
-        body = error_payload(f"request body of {size} bytes exceeds the limit of "
+        body = E.error_payload(f"request body of {size} bytes exceeds the limit of "
                              f"{self.limit} bytes", "PayloadTooLargeError")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),

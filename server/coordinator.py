@@ -108,15 +108,12 @@ class Coordinator:
 
     def task_spec(self, task_id: str) -> TaskSpec:
         """The task definition devices build their model from (sent to new Flower devices)."""
-        from .service.tasks import get_task, spec_of
-
         with self.rt.transaction() as s:
-            return spec_of(get_task(s, task_id=task_id))
+            return service.task_spec(s, task_id=task_id)
 
     def task_status(self, task_id: str) -> TaskStatus:
         with self.rt.transaction() as s:
-            return service.task_status(s, task_id=task_id, delta=self.settings.dp_delta,
-                                       failure=self.rt.close_failures.get(task_id))
+            return service.task_status(self.rt, s, task_id=task_id)
 
     def round_metrics(self, task_id: str) -> list[RoundMetrics]:
         with self.rt.transaction() as s:

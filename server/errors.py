@@ -1,9 +1,21 @@
-"""Typed domain errors of the coordinator. The app maps them to HTTP statuses in one place
-(`seedfed.server.app._STATUS`); the in-process facade raises them as is."""
+"""Typed domain errors of the coordinator, their HTTP statuses and the error body.
+
+The in-process facade raises the errors as is; over HTTP every error is answered with the
+status of `status_of` (one table, `STATUS`), the headers of `error_headers` and one JSON body,
+`ErrorBody` (`error_payload`). This module sits below the app, the API layer and the service
+layer alike, so the FastAPI handlers (`app.py`), the ASGI upload fast path (`api/ingest.py`)
+and the OpenAPI document (`api/openapi.py`) all read the same table without importing each
+other.
+"""
 
 from __future__ import annotations
 
-from seedfed.shared.errors import SeedfedError
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from seedfed.shared.errors import NonFiniteScalarError, SeedfedError, ShapeError, WireFormatError
 
 
 class CoordinatorError(SeedfedError):
@@ -77,3 +89,81 @@ class DatabaseUnavailableError(UnavailableError):
 
 class StoreUnavailableError(UnavailableError):
     """The model store could not write a file (disk full, read-only, I/O error)."""
+
+
+#: The one mapping from errors to HTTP statuses (first match in MRO order wins).
+STATUS: dict[type[BaseException], int] = {
+    MalformedRequestError: 400,
+    AuthenticationError: 401,
+    PermissionDeniedError: 403,
+    NotFoundError: 404,
+    ConflictError: 409,
+    PayloadTooLargeError: 413,
+    InvalidUploadError: 422,
+    InvalidTaskError: 422,
+    WireFormatError: 422,
+    ShapeError: 422,
+    NonFiniteScalarError: 422,
+    StoreError: 500,
+    UnavailableError: 503,
+    SeedfedError: 400,
+}
+
+#: Seconds a 503 (database or model store unavailable) asks the caller to wait.
+RETRY_AFTER_S = 2
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status of an error (500 for anything the table does not name)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_headers(code: int) -> dict[str, str]:
+    """The headers an error answer of status `code` carries besides its body."""
+    if code == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    if code == 503:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    return {}
+
+
+class ValidationIssue(BaseModel):
+    """One problem of a request that failed validation (422 `RequestValidationError`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer: what is wrong, and the error's type name (e.g.
+    `NotFoundError`, `RequestValidationError`, `PayloadTooLargeError`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    detail: str
+    error: str
+    #: Request validation only: each offending field (the input itself is not echoed).
+    errors: list[ValidationIssue] | None = None
+
+
+def _clean(text: str) -> str:
+    # A lone surrogate (JSON allows "\ud800") cannot be encoded as UTF-8; an error message that
+    # echoes one must not turn a 4xx into a 500 while it is rendered.
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def error_payload(detail: str, error: str,
+                  issues: Sequence[Mapping[str, Any]] | None = None) -> bytes:
+    """The UTF-8 JSON bytes of an ErrorBody (the app's handlers, the ASGI fast path and the
+    body limit all answer with these)."""
+    body: dict[str, Any] = {"detail": _clean(detail), "error": error}
+    if issues is not None:
+        body["errors"] = [{"loc": [_clean(p) if isinstance(p, str) else p
+                                   for p in i.get("loc", ())],
+                           "msg": _clean(str(i.get("msg", ""))),
+                           "type": _clean(str(i.get("type", "")))} for i in issues]
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")

@@ -331,7 +331,3 @@ class SeedfedStrategy(Strategy):
         log.info("seedfed strategy: task %s, %s devices per round, quorum %d, timeout %.0f s, "
                  "sync after round: %s", self.task_id, c.devices_per_round or "all", c.quorum,
                  c.round_timeout_s, c.sync_after_round)
-
-    def node_versions(self) -> dict[int, int | None]:
-        """Version each known Flower node last confirmed (None: needs a snapshot)."""
-        return {n: node.version for n, node in self._nodes.items()}

@@ -56,6 +56,9 @@ class RoundState:
     AGGREGATING = "aggregating"
     CLOSED = "closed"
     EXPIRED = "expired"  # deadline passed with no upload: closed without a new version
+    #: planned at a base version the task has since moved past (it can never commit):
+    #: closed without a new version, its uploads not aggregated
+    ABANDONED = "abandoned"
 
 
 class TaskRow(Base):

@@ -11,15 +11,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from seedfed.shared.models import ModelBundle
-from seedfed.shared.wire import RoundPlan
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .caches import CloseFailure, CloseFailures, OpenRounds, TokenCache
 from .db import make_engine, session_factory, upgrade
 from .errors import DatabaseUnavailableError
 from .settings import Settings
@@ -65,25 +64,15 @@ class Master:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(frozen=True)
-class CloseFailure:
-    """The last failed attempt to finish a task's round close; retried with backoff by the
-    ticker and shown on /readyz, the task status and the dashboard until a close succeeds."""
-
-    round_id: int
-    round: int | None
-    attempts: int
-    error: str  # "TypeName: message"
-    failed_at: datetime
-    retry_at: datetime
-
-
 @dataclass
 class Faults:
     """Test hooks that simulate a crash at a named point of the round close."""
 
     after_files: Callable[[], None] | None = None  # files written, commit not yet done
     mid_aggregation: Callable[[int], None] | None = None  # called with each seed index
+
+
+__all__ = ["CloseFailure", "Faults", "Master", "Metrics", "Runtime", "database_unavailable"]
 
 
 class Runtime:
@@ -102,16 +91,12 @@ class Runtime:
         self._masters: OrderedDict[str, Master] = OrderedDict()
         self._masters_lock = threading.Lock()
         self._task_locks: dict[str, threading.Lock] = {}
-        # token hash -> (device_id, task_id); revoked devices are never cached
-        self.token_cache: dict[str, tuple[str, str]] = {}
-        # task_id -> (round id, plan) of its open round; absent: unknown, None: no open round
-        self.plan_cache: dict[str, tuple[int, RoundPlan] | None] = {}
-        # round id -> uploads committed so far
-        self.upload_counts: dict[int, int] = {}
-        # round id -> devices_per_round of its task (None: no cap), for the upload writer
-        self.round_caps: dict[int, int | None] = {}
-        # task id -> its failing round close (absent: none failing)
-        self.close_failures: dict[str, CloseFailure] = {}
+        #: Device tokens known to be valid (revoked devices are never cached).
+        self.tokens = TokenCache()
+        #: Each task's open round: plan, upload count, cap (the upload path's hot data).
+        self.rounds = OpenRounds()
+        #: Failing round closes, retried by the ticker.
+        self.close_failures = CloseFailures()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -127,7 +112,7 @@ class Runtime:
             # The unit of work may have moved the plan cache before its commit failed (a close
             # marks the round aggregating and forgets the open plan): forget every cached plan,
             # so the next use re-reads what the database really holds.
-            self.plan_cache.clear()
+            self.rounds.invalidate()
             if isinstance(e, OperationalError | InterfaceError):
                 raise database_unavailable(e) from e
             raise

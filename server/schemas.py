@@ -42,7 +42,11 @@ def _storable_text(data: Any) -> Any:
 
 
 class _Request(_Model):
-    """A request body: every string in it is storable text."""
+    """A request body: every string in it is storable text, and every field has the type its
+    schema says (strict: `true` is not the integer 1, nor `"3"` the integer 3), so what the
+    OpenAPI document calls invalid is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -175,8 +175,3 @@ class ModelStore:
                     continue
                 removed.append(f"tasks/{task_id}/{sub}/{name}")
         return removed
-
-    def remove_task(self, task_id: str) -> None:
-        import shutil
-
-        shutil.rmtree(self.root / "tasks" / task_id, ignore_errors=True)

@@ -391,9 +391,10 @@ def init_prototype_head(model: nn.Module, tokenizer: Any, label_texts: tuple[str
                         scale: float = PROTOTYPE_SCALE) -> None:
     """Set each class row of the head to the centred, normalized feature of its description.
 
-    ZO crawls from a random head (DESIGN.md learning notes); starting from prototypes gives a
-    model that already separates the classes before any training. Centring removes the
-    direction all descriptions share, so logits differ only along what tells labels apart.
+    ZO crawls from a random head (docs/accuracy.md, "Model and head"); starting from
+    prototypes gives a model that already separates the classes before any training.
+    Centring removes the direction all descriptions share, so logits differ only along what
+    tells labels apart.
     """
     head = classifier_module(model)
     feats = label_features(model, tokenizer, label_texts)
@@ -442,7 +443,7 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
         model = _quantize(model, spec)
     for p in model.parameters():
         p.requires_grad_(False)  # ZO never needs autograd; keeps forwards lean
-    scope = build_scope(spec.scope, model, **spec.scope_options)
+    scope = build_scope(spec.scope, model, spec.scope_options)
     inner = getattr(getattr(model, "base_model", model), "model", model)
     if isinstance(inner, MeanPoolClassifier):
         inner.frozen_prefix = frozen_prefix_depth(model, scope)
@@ -454,5 +455,5 @@ def _quantize(model: nn.Module, spec: TaskSpec) -> nn.Module:
     from .quant.model import QuantConfig, quantize_model
 
     bits = 8 if spec.format == "int8" else 4
-    group_size = int(spec.scope_options.get("group_size", 64))
+    group_size = getattr(spec.scope_options, "group_size", None) or 64  # ScalesOptions
     return quantize_model(model, QuantConfig(bits=bits, group_size=group_size))

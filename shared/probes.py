@@ -25,13 +25,19 @@ How a step runs:
    stacked along the batch dimension in one forward: kept outputs are repeated, the frozen
    layers above them run once over all copies, and each module owning scoped tensors runs per
    copy on its slice with that copy's perturbed tensors (`perturbed_copy`, the bits the
-   sequential path adds), so z comes from the shared stream exactly as in `spsa_step`.
+   sequential path adds; a seed's -eps twin comes from the same z, `perturbed_pair`), so z
+   comes from the shared stream exactly as in `spsa_step`.
    `copies_per_forward` comes from a memory budget (`budget_mb` of extra activations, estimated
    from the recording pass); a `max_copies` above what the budget allows is lowered with a
    warning and reported in `ProbeStats.limited`. The scalars are the same either way.
 
 Scalars equal the sequential estimator's to float tolerance (batched matmuls and per-copy loss
-reductions round differently); seeds, z, the upload and the coordinator's replay are unchanged.
+reductions round differently); with one copy per forward (`copy_losses=None`) they are the
+sequential bits exactly. Seeds, z, the upload and the coordinator's replay are unchanged.
+
+Before any round opens, `check_task_probes` (task creation) refuses a scope no tensor of which
+reaches the loss and a `Hyper.probe_copies` whose stacked activations exceed
+`Hyper.probe_memory_mb`.
 """
 
 from __future__ import annotations
@@ -508,7 +514,7 @@ class ProbeEngine:
                     self._active.pop()
             return _cat(outs)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         try:
             yield
         finally:
@@ -574,7 +580,7 @@ def _replaced(call: _Call) -> Iterator[None]:
         return original(*args, **kwargs)  # not the recorded call: compute it
 
     forward.seedfed_copies = 1  # type: ignore[attr-defined]
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     try:
         yield
     finally:

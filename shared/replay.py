@@ -49,7 +49,10 @@ class LogEntry:
     seeds: tuple[int, ...]
     coefs: tuple[float, ...]
     checksum: str | None = None
-    meta: dict[str, object] = field(default_factory=dict, compare=False)
+    #: The mask epoch of version `base_version + 1` (a ternary task; None: no epochs). An
+    #: entry whose epoch differs from its base version's started a new epoch: replay cannot
+    #: cross it. Not part of the update itself, so entries compare without it.
+    mask_epoch: int | None = field(default=None, compare=False)
 
     @property
     def version(self) -> int:

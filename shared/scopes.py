@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import MissingTensorError, ScopeError, UnknownScopeError
+from .scope_options import NamedOptions, NoOptions, ScopeOptions, options_class, options_for
+from .scope_options import register_options as _register_options
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ _PLUGINS = {
 
 #: kind -> (scope options, version) -> the version's mask epoch, for scopes whose covered set
 #: changes on a schedule (see `scope_epoch`).
-EpochSchedule = Callable[[Mapping[str, Any], int], int]
+EpochSchedule = Callable[[Any, int], int]
 _EPOCHS: dict[str, EpochSchedule] = {}
 
 
@@ -180,7 +182,8 @@ def register_epochs(kind: str) -> Callable[[EpochSchedule], EpochSchedule]:
     return wrap
 
 
-def scope_epoch(kind: str, options: Mapping[str, Any], version: int) -> int | None:
+def scope_epoch(kind: str, options: ScopeOptions | Mapping[str, Any], version: int
+                ) -> int | None:
     """The epoch of the covered set at `version` for scope `kind` built with `options`, or None
     for scopes whose set never changes. The coordinator's service layer asks this without
     loading a model (round plans, log entries, catch-up plans): two versions in different
@@ -188,12 +191,17 @@ def scope_epoch(kind: str, options: Mapping[str, Any], version: int) -> int | No
     if kind not in _EPOCHS and kind not in _REGISTRY and kind in _PLUGINS:
         importlib.import_module(_PLUGINS[kind])
     schedule = _EPOCHS.get(kind)
-    return None if schedule is None else schedule(options, version)
+    return None if schedule is None else schedule(options_for(kind, options), version)
 
 
-def register_scope(kind: str) -> Callable[[ScopeBuilder], ScopeBuilder]:
+def register_scope(kind: str, options: type[ScopeOptions] | None = None
+                   ) -> Callable[[ScopeBuilder], ScopeBuilder]:
+    """Register `builder(model, options, **build_args)` for scope `kind`; `options` is the
+    kind's options class (seedfed.shared.scope_options; default: none)."""
     def wrap(builder: ScopeBuilder) -> ScopeBuilder:
         _REGISTRY[kind] = builder
+        if options is not None:
+            _register_options(kind, options)
         return builder
 
     return wrap
@@ -203,8 +211,14 @@ def scope_kinds() -> list[str]:
     return sorted(set(_REGISTRY) | set(_PLUGINS))
 
 
-def build_scope(kind: str, model: nn.Module, **options: Any) -> Scope:
-    """Build the scope a task names; unknown names raise UnknownScopeError listing the known."""
+def build_scope(kind: str, model: nn.Module, options: ScopeOptions | None = None,
+                **kwargs: Any) -> Scope:
+    """Build the scope a task names with its typed `options` (a task: `spec.scope_options`).
+
+    Keyword arguments that are fields of the kind's options class build the options (when
+    `options` is not given): `build_scope("named", model, patterns=("classifier",))`; the
+    others go to the builder as they are (e.g. the ternary builder's `convert`). Unknown
+    names raise UnknownScopeError listing the known."""
     if kind not in _REGISTRY and kind in _PLUGINS:
         importlib.import_module(_PLUGINS[kind])
     try:
@@ -213,7 +227,12 @@ def build_scope(kind: str, model: nn.Module, **options: Any) -> Scope:
         raise UnknownScopeError(
             f"unknown scope {kind!r}; known scopes: {', '.join(scope_kinds())}"
         ) from e
-    return builder(model, **options)
+    names = {f.name for f in fields(options_class(kind))}
+    if options is None:
+        options = options_for(kind, {k: v for k, v in kwargs.items() if k in names})
+    else:
+        options = options_for(kind, options)
+    return builder(model, options, **{k: v for k, v in kwargs.items() if k not in names})
 
 
 def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -239,17 +258,16 @@ class LoraScope(Scope):
     kind = "lora"
 
 
-@register_scope("full")
-def _build_full(model: nn.Module) -> Scope:
+@register_scope("full", options=NoOptions)
+def _build_full(model: nn.Module, options: NoOptions) -> Scope:
     return FullScope(
         model, [ScopedTensor(n, p) for n, p in _unique_parameters(model) if p.is_floating_point()]
     )
 
 
-@register_scope("named")
-def _build_named(model: nn.Module, patterns: tuple[str, ...] = ()) -> Scope:
-    if not patterns:
-        raise ScopeError("scope 'named' needs at least one name pattern")
+@register_scope("named", options=NamedOptions)
+def _build_named(model: nn.Module, options: NamedOptions) -> Scope:
+    patterns = options.patterns  # at least one: NamedOptions refuses none
     chosen = [ScopedTensor(n, p) for n, p in _unique_parameters(model)
               if any(s in n for s in patterns)]
     if not chosen:
@@ -257,8 +275,8 @@ def _build_named(model: nn.Module, patterns: tuple[str, ...] = ()) -> Scope:
     return NamedScope(model, chosen)
 
 
-@register_scope("lora")
-def _build_lora(model: nn.Module) -> Scope:
+@register_scope("lora", options=NoOptions)
+def _build_lora(model: nn.Module, options: NoOptions) -> Scope:
     chosen = [
         ScopedTensor(n, p)
         for n, p in _unique_parameters(model)
@@ -267,6 +285,6 @@ def _build_lora(model: nn.Module) -> Scope:
     if not chosen:
         raise ScopeError(
             f"scope 'lora': {type(model).__name__} has no LoRA adapters; wrap it with "
-            "peft.get_peft_model (seedfed.client.models.apply_lora) first"
+            "peft.get_peft_model (seedfed.shared.models.apply_lora) first"
         )
     return LoraScope(model, chosen)

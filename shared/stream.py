@@ -1,6 +1,6 @@
 """The perturbation stream: z(seed, tensor name) in {-1, +1}, bit-identical on every platform.
 
-Contract (../shared/DESIGN.md, "Perturbation stream"):
+Contract (docs/protocol.md, section 1, "The perturbation stream"):
 
 - Philox4x64-10 keyed by (seed, tensor_id), tensor_id = first 8 bytes (little-endian) of
   SHA-256 of the tensor's canonical name in UTF-8.
@@ -272,11 +272,3 @@ def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence
                 flat.index_add_(0, indices, rademacher_at(seed, name, indices, c))
         return
     _add_dense(flat, flat, tid, seeds, scales)
-
-
-def gaussian(seed: int, name: str, numel: int) -> torch.Tensor:
-    """MeZO-style Gaussian z from torch's generator. NOT bit-exact across CPUs, GPUs or torch
-    versions (x86 takes a vectorized Box-Muller path, ARM scalar libm); offered only for
-    experiments that compare against MeZO and never used for replay across machines."""
-    gen = torch.Generator().manual_seed((seed ^ tensor_id(name)) & ((1 << 63) - 1))
-    return torch.randn(numel, generator=gen, dtype=torch.float32)

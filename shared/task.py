@@ -13,6 +13,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .aggregate import AggregationConfig
+from .scope_options import ScopeOptions, options_for
+
+#: Version of the TaskSpec JSON layout. 1: before `spec_version` existed (options an untyped
+#: object); 2: typed scope options (the same JSON object, validated per scope kind). A spec
+#: of an older version is read and upgraded; a newer one is refused.
+SPEC_VERSION = 2
 
 #: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
 #: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.probes`).
@@ -75,19 +81,29 @@ class Hyper:
 
 @dataclass(frozen=True)
 class TaskSpec:
+    """A task definition. `scope_options` holds the typed options of `scope`
+    (`seedfed.shared.scope_options`); a JSON object (or None) is accepted on input, as stored
+    specs and older callers give it, and validated into them."""
+
     model_path: str
     model_kind: ModelKind = "seq_cls"
     num_labels: int = 2
     label_texts: tuple[str, ...] = ()  # e.g. ("negative", "positive"): head initialized from them
     scope: str = "lora"
-    scope_options: dict[str, Any] = field(default_factory=dict)
+    scope_options: ScopeOptions = field(default_factory=ScopeOptions)
     lora: LoraOptions = field(default_factory=LoraOptions)
     format: Format = "fp32"
     hyper: Hyper = field(default_factory=Hyper)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     max_seq_len: int = 128
+    spec_version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
+        if self.spec_version != SPEC_VERSION:
+            raise ValueError(f"spec_version {self.spec_version} is not {SPEC_VERSION}; read "
+                             "older specs with TaskSpec.from_dict, which upgrades them")
+        # frozen: the typed form replaces what was given (a JSON object, None, or options)
+        object.__setattr__(self, "scope_options", options_for(self.scope, self.scope_options))
         if self.model_kind not in ("causal_lm", "seq_cls"):
             raise ValueError(f"model_kind must be causal_lm or seq_cls, got {self.model_kind!r}")
         if self.format not in FORMATS:
@@ -99,6 +115,12 @@ class TaskSpec:
         if self.scope == "scales" and self.format not in ("int8", "int4"):
             # QZO trains the group scales of a quantized model: a float model has none.
             raise ValueError(f"scope 'scales' needs format int8 or int4, got {self.format!r}")
+        if self.scope == "lora" and self.format in ("int8", "int4"):
+            # peft wraps nn.Linear weights; an int8/int4 model's Linear layers are QuantLinear
+            # (packed codes + scales), which it cannot adapt. Refused here, before any round.
+            raise ValueError(f"scope 'lora' cannot adapt a {self.format} model's quantized "
+                             "Linear layers; train its scales (scope 'scales') or the head "
+                             "(scope 'named', patterns ['classifier'])")
         if self.scope == "ternary" and self.model_kind != "causal_lm":
             # A ternary device builds its packed model from a causal LM's config and weights
             # (`shared.ternary.build_packed_model`); a classifier's head would need the fp32
@@ -107,11 +129,19 @@ class TaskSpec:
                              f"{self.model_kind!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON object of the spec (scope options: only the fields off their default)."""
+        return {**asdict(self), "scope_options": self.scope_options.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskSpec:
+        """A spec from its JSON object, of this `SPEC_VERSION` or an older one (upgraded)."""
         d = dict(d)
+        version = d.pop("spec_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= SPEC_VERSION:
+            raise ValueError(f"spec_version {version!r} is not one this seedfed reads "
+                             f"(1..{SPEC_VERSION})")
+        # 1 -> 2: the same option names, now typed (`__post_init__` checks them against the
+        # scope's options class).
         d["lora"] = LoraOptions(**{**d.get("lora", {}),
                                    "target_modules": tuple(d.get("lora", {}).get(
                                        "target_modules", LoraOptions().target_modules))})

@@ -1,8 +1,8 @@
 """Golden vectors of the perturbation stream, for tests and for devices written in other languages.
 
-A port implements the four lines of the stream contract (DESIGN.md) and checks itself against
-`shared/golden/vectors.json`: for each (seed, name) the tensor id and the first 256 values of z.
-`seedfed protocol vectors` prints the same list.
+A port implements the four lines of the stream contract (docs/protocol.md, section 1) and checks
+itself against `shared/golden/vectors.json`: for each (seed, name) the tensor id and the first
+256 values of z. `seedfed protocol vectors` prints the same list.
 """
 
 from __future__ import annotations

@@ -211,19 +211,16 @@ class LogEntryWire(_Schema):
 
     def to_entry(self) -> LogEntry:
         coefs = decode_scalars(self.coefs, (len(self.seeds),))
-        meta: dict[str, object] = {} if self.mask_epoch is None else {
-            "mask_epoch": self.mask_epoch}
         return LogEntry(self.task_id, self.base_version, tuple(self.seeds),
-                        tuple(float(c) for c in coefs), self.checksum, meta)
+                        tuple(float(c) for c in coefs), self.checksum, self.mask_epoch)
 
     @classmethod
     def from_entry(cls, e: LogEntry, mask_epoch: int | None = None) -> LogEntryWire:
-        """The wire form of `e`; `mask_epoch` defaults to e.meta["mask_epoch"], if any."""
+        """The wire form of `e`; `mask_epoch` defaults to `e.mask_epoch`."""
         if e.checksum is None:
             raise WireFormatError(f"entry v{e.version} has no checksum to publish")
-        meta_epoch = e.meta.get("mask_epoch")
-        if mask_epoch is None and isinstance(meta_epoch, int):
-            mask_epoch = meta_epoch
+        if mask_epoch is None:
+            mask_epoch = e.mask_epoch
         return cls(task_id=e.task_id, base_version=e.base_version, seeds=list(e.seeds),
                    coefs=encode_scalars(np.asarray(e.coefs, dtype=np.float32)),
                    checksum=e.checksum, mask_epoch=mask_epoch)

@@ -34,7 +34,7 @@ def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
     from seedfed.shared.scopes import build_scope
 
     scope = build_scope("full", model)
-    config = ZOConfig(lr=LR, eps=EPS, perturbations=1, mode=mode)  # type: ignore[arg-type]
+    config = ZOConfig(lr=LR, eps=EPS, perturbations=1, mode=mode)
     perturber = Perturber(scope, config.mode)
 
     def step(seed: int) -> None:

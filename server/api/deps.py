@@ -12,11 +12,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from .. import service
-from ..errors import AuthenticationError, PermissionDeniedError
+from ..errors import AuthenticationError
 from ..runtime import Runtime
 from ..service.uploads import UploadWriter
-from ..settings import Settings
-from .ingest import device_from_token
 from .openapi import TaskIdPath
 
 _bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
@@ -36,13 +34,6 @@ async def get_writer(request: Request) -> UploadWriter:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 WriterDep = Annotated[UploadWriter, Depends(get_writer)]
-
-
-async def get_settings(rt: RuntimeDep) -> Settings:
-    return rt.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
 def get_session(rt: RuntimeDep) -> Iterator[Session]:
@@ -74,17 +65,11 @@ async def current_device(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials
     """The device id of the bearer token, which must belong to the task in the path."""
     if creds is None:
         raise AuthenticationError("missing Authorization: Bearer <device token>")
-    token = creds.credentials
-    hit = rt.token_cache.get(service.devices.hash_token(token))
-    if hit is not None:  # hot path: no thread hop, no query
-        if hit[1] != task_id:
-            raise PermissionDeniedError(f"device {hit[0]} is enrolled in another task, "
-                                        f"not {task_id!r}")
-        return hit[0]
-    return await run_in_threadpool(service.authenticate_device, rt, task_id=task_id, token=token)
-
-
-CurrentDevice = Annotated[str, Depends(current_device)]
+    device_id, token_hash = await device_credential(task_id, rt, creds)
+    if device_id is not None:  # hot path: no thread hop, no query
+        return device_id
+    return await run_in_threadpool(service.authenticate_hash, rt, task_id=task_id,
+                                   token_hash=token_hash)
 
 
 async def device_credential(task_id: TaskIdPath, rt: RuntimeDep,
@@ -92,7 +77,8 @@ async def device_credential(task_id: TaskIdPath, rt: RuntimeDep,
     """(device id if the token is cached, token hash) for the upload path: an uncached token
     is authenticated by the upload writer together with the rest of its batch."""
     # One rule for both doors: the FastAPI route and the ASGI fast path.
-    return device_from_token(rt, task_id, None if creds is None else f"Bearer {creds.credentials}")
+    return service.bearer_device(rt, task_id=task_id, authorization=None if creds is None
+                                 else f"Bearer {creds.credentials}")
 
 
 DeviceCredential = Annotated[tuple[str | None, str], Depends(device_credential)]

@@ -21,33 +21,15 @@ from seedfed.shared.wire import MAX_ROUND, Upload
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import service
-from ..errors import AuthenticationError, MalformedRequestError, PermissionDeniedError
+from ..errors import MalformedRequestError, error_headers, error_payload, status_of
 from ..runtime import Runtime
 from ..schemas import UploadReceipt
 from ..service.uploads import UploadWriter
-from .openapi import error_payload
 
 BINARY_HEADERS = UPLOAD_HEADERS  # X-Seedfed-Version, -Num-Examples, -Loss
 # Only ids and round numbers inside their documented ranges take the fast path; anything else
 # falls through to the route, whose parameter validation answers the 422.
 _PATH = re.compile(r"^/v1/tasks/([A-Za-z0-9._~-]{1,64})/rounds/(\d{1,10})/uploads/?$")
-
-
-def device_from_token(rt: Runtime, task_id: str, authorization: str | None
-                      ) -> tuple[str | None, str]:
-    """(device id if the token is cached, token hash); uncached tokens are authenticated by
-    the upload writer together with the rest of their batch."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationError("missing Authorization: Bearer <device token>")
-    h = service.devices.hash_token(token.strip())
-    hit = rt.token_cache.get(h)
-    if hit is None:
-        return None, h
-    if hit[1] != task_id:
-        raise PermissionDeniedError(f"device {hit[0]} is enrolled in another task, "
-                                    f"not {task_id!r}")
-    return hit[0], h
 
 
 _INT = re.compile(r"^[0-9]{1,10}$")
@@ -99,18 +81,16 @@ async def ingest(rt: Runtime, writer: UploadWriter, *, task_id: str, round_numbe
                                        device_id=device[0], token_hash=device[1], upload=up,
                                        wire_bytes=len(body))
     except Exception:
-        rt.metrics.uploads.labels("rejected").inc()
+        service.count_rejected(rt)
         if device[0] is None:
-            await run_in_threadpool(service.devices.authenticate_hash, rt, task_id=task_id,
+            await run_in_threadpool(service.authenticate_hash, rt, task_id=task_id,
                                     token_hash=device[1])
         raise
     if isinstance(pending, UploadReceipt):  # a retry of an upload to a round closed since
         return pending, None
     receipt = await asyncio.wrap_future(writer.submit(pending))
     assert isinstance(receipt, UploadReceipt)
-    hit = rt.plan_cache.get(task_id)
-    due = hit is not None and hit[0] == pending.round_id and \
-        rt.upload_counts.get(pending.round_id, 0) >= hit[1].quorum
+    due = service.is_due(rt, task_id=task_id, round_id=pending.round_id)
     return receipt, pending.round_id if due else None
 
 
@@ -141,15 +121,14 @@ class UploadFastPath:
         if m is None or rt is None or int(m.group(2)) > MAX_ROUND:
             await self.app(scope, receive, send)
             return
-        from ..app import status_of
-
         writer: UploadWriter = state.writer  # type: ignore[union-attr]
         headers = _Headers((k.decode("latin-1").lower(), v.decode("latin-1"))
                            for k, v in scope["headers"])
         task_id, round_number = m.group(1), int(m.group(2))
         due: int | None = None
         try:
-            device = device_from_token(rt, task_id, headers.get("authorization"))
+            device = service.bearer_device(rt, task_id=task_id,
+                                           authorization=headers.get("authorization"))
             chunks = []
             while True:
                 msg = await receive()
@@ -166,11 +145,8 @@ class UploadFastPath:
             if code == 413:
                 raise  # BodyLimit answers
             payload = error_payload(str(e), type(e).__name__)
-        extra = [(b"www-authenticate", b"Bearer")] if code == 401 else []
-        if code == 503:  # database or model store unavailable: as the app's handler answers
-            from ..app import RETRY_AFTER_S
-
-            extra.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        # The same headers as the app's handler (401: WWW-Authenticate, 503: Retry-After).
+        extra = [(k.lower().encode(), v.encode()) for k, v in error_headers(code).items()]
         await send({"type": "http.response.start", "status": code,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()), *extra]})

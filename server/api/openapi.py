@@ -9,14 +9,20 @@ can return with that schema (`responses=errors(...)` on the route decorators).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import Path
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
 from seedfed.shared.wire import MAX_ROUND, MAX_VERSION
+
+# The error body and its encoding live below the API layer (the fast path, the app's handlers
+# and this document share them); re-exported here, where the contract is described.
+from ..errors import ErrorBody, ValidationIssue, error_payload
+
+__all__ = ["DeviceIdPath", "ErrorBody", "RoundPath", "TaskIdPath", "ValidationIssue",
+           "VersionPath", "error_payload", "error_response", "errors", "install",
+           "validation_issues"]
 
 #: Rounds and versions have the wire's ranges (32-bit INTEGER columns): a larger number cannot
 #: name a stored row, and refusing it here keeps it away from the database driver, which
@@ -32,26 +38,6 @@ TaskIdPath = Annotated[str, Path(pattern=ID_PATTERN, description="task id (16 he
 DeviceIdPath = Annotated[str, Path(pattern=ID_PATTERN, description="device id")]
 RoundPath = Annotated[int, Path(ge=0, le=MAX_ROUND, description="round number")]
 VersionPath = Annotated[int, Path(ge=0, le=MAX_VERSION, description="model version")]
-
-
-class ValidationIssue(BaseModel):
-    """One problem of a request that failed validation (422 `RequestValidationError`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    loc: list[str | int]
-    msg: str
-    type: str
-
-
-class ErrorBody(BaseModel):
-    """The body of every error answer: what is wrong, and the error's type name (e.g.
-    `NotFoundError`, `RequestValidationError`, `PayloadTooLargeError`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    detail: str
-    error: str
-    #: Request validation only: each offending field (the input itself is not echoed).
-    errors: list[ValidationIssue] | None = None
 
 
 _WHAT = {
@@ -79,24 +65,6 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     out[503]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
                                            "description": "seconds to wait"}}
     return out
-
-
-def _clean(text: str) -> str:
-    # A lone surrogate (JSON allows "\ud800") cannot be encoded as UTF-8; an error message that
-    # echoes one must not turn a 4xx into a 500 while it is rendered.
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-def error_payload(detail: str, error: str,
-                  issues: Sequence[Mapping[str, Any]] | None = None) -> bytes:
-    """The UTF-8 JSON bytes of an ErrorBody (also used by the ASGI fast path and BodyLimit)."""
-    body: dict[str, Any] = {"detail": _clean(detail), "error": error}
-    if issues is not None:
-        body["errors"] = [{"loc": [_clean(p) if isinstance(p, str) else p
-                                   for p in i.get("loc", ())],
-                           "msg": _clean(str(i.get("msg", ""))),
-                           "type": _clean(str(i.get("type", "")))} for i in issues]
-    return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
 class ErrorResponse(JSONResponse):
@@ -139,7 +107,7 @@ def install(app: Any) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
-            return app.openapi_schema  # type: ignore[no-any-return]
+            return app.openapi_schema
         doc: dict[str, Any] = build()
         ref = "#/components/schemas/ErrorBody"
         for ops in doc.get("paths", {}).values():

@@ -2,32 +2,53 @@
 facade (`seedfed.server.coordinator.Coordinator`) both call."""
 
 from . import devices
-from .devices import authenticate_device, enroll_device, revoke_device
+from .devices import (
+    authenticate_device,
+    authenticate_hash,
+    bearer_device,
+    enroll_device,
+    revoke_device,
+)
+from .health import metrics_text, readiness
 from .log import (
     catchup_plan,
     log_since,
     open_snapshot,
     round_metrics,
+    serve_log,
+    serve_snapshot,
     snapshot_bytes,
     snapshot_info,
     task_stats,
 )
-from .rounds import close_if_due, close_round, current_plan, open_plan, open_round, recover, tick
-from .tasks import create_task, list_tasks, load_master, prune_versions, task_status
+from .rounds import (
+    cached_plan,
+    close_if_due,
+    close_round,
+    current_plan,
+    is_due,
+    open_plan,
+    open_round,
+    recover,
+    tick,
+)
+from .tasks import create_task, list_tasks, load_master, prune_versions, task_spec, task_status
 from .uploads import (
-                      UploadWriter,
-                      check_upload,
-                      parse_binary_upload,
-                      parse_json_upload,
-                      submit_upload,
-                      write_uploads,
+    UploadWriter,
+    check_upload,
+    count_rejected,
+    parse_binary_upload,
+    parse_json_upload,
+    submit_upload,
+    write_uploads,
 )
 
 __all__ = [
-    "UploadWriter", "authenticate_device", "catchup_plan", "check_upload", "close_if_due",
-    "close_round", "create_task", "current_plan", "devices", "enroll_device", "list_tasks",
-    "load_master", "log_since", "open_plan", "open_round", "open_snapshot",
-    "parse_binary_upload", "parse_json_upload", "prune_versions", "recover", "revoke_device",
-    "round_metrics", "snapshot_bytes", "snapshot_info", "submit_upload", "task_stats",
-    "task_status", "tick", "write_uploads",
+    "UploadWriter", "authenticate_device", "authenticate_hash", "bearer_device", "cached_plan",
+    "catchup_plan", "check_upload", "close_if_due", "close_round", "count_rejected", "create_task",
+    "current_plan", "devices", "enroll_device", "is_due", "list_tasks", "load_master", "log_since",
+    "metrics_text", "open_plan", "open_round", "open_snapshot", "parse_binary_upload",
+    "parse_json_upload", "prune_versions", "readiness", "recover", "revoke_device",
+    "round_metrics", "serve_log", "serve_snapshot", "snapshot_bytes", "snapshot_info",
+    "submit_upload", "task_spec", "task_stats", "task_status", "tick", "write_uploads",
 ]

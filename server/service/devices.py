@@ -9,7 +9,7 @@ from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
 from ..orm import DeviceRow, utcnow
 from ..runtime import Runtime
 from .join_tokens import claim_enrolment
-from .tasks import get_task, hash_token
+from .lookups import get_task, hash_token
 
 
 def enroll_device(rt: Runtime, *, task_id: str, join_token: str | None) -> tuple[str, str]:
@@ -23,7 +23,7 @@ def enroll_device(rt: Runtime, *, task_id: str, join_token: str | None) -> tuple
                                                                join_token=join_token)
         s.add(DeviceRow(id=device_id, task_id=task_id, token_hash=hash_token(token),
                         join_token_id=via))
-    rt.token_cache[hash_token(token)] = (device_id, task_id)
+    rt.tokens.remember(hash_token(token), device_id, task_id)
     return device_id, token
 
 
@@ -36,7 +36,7 @@ def revoke_device(rt: Runtime, *, task_id: str, device_id: str) -> None:
         if device.revoked_at is None:
             device.revoked_at = utcnow()
         token_hash = device.token_hash
-    rt.token_cache.pop(token_hash, None)
+    rt.tokens.forget(token_hash)
 
 
 def authenticate_device(rt: Runtime, *, task_id: str, token: str) -> str:
@@ -46,19 +46,30 @@ def authenticate_device(rt: Runtime, *, task_id: str, token: str) -> str:
 
 def authenticate_hash(rt: Runtime, *, task_id: str, token_hash: str) -> str:
     """`authenticate_device` for a token already hashed (the upload path keeps the hash)."""
-    h = token_hash
-    hit = rt.token_cache.get(h)
-    if hit is None:
-        with rt.transaction() as s:
-            device = s.query(DeviceRow).filter(DeviceRow.token_hash == h).one_or_none()
-            if device is None:
-                raise AuthenticationError("unknown device token")
-            if device.revoked_at is not None:
-                raise AuthenticationError(f"device {device.id} has been revoked")
-            hit = (device.id, device.task_id)
-        rt.token_cache[h] = hit
-    device_id, device_task = hit
+    cached = rt.tokens.authorize(token_hash, task_id)
+    if cached is not None:
+        return cached
+    with rt.transaction() as s:
+        device = s.query(DeviceRow).filter(DeviceRow.token_hash == token_hash).one_or_none()
+        if device is None:
+            raise AuthenticationError("unknown device token")
+        if device.revoked_at is not None:
+            raise AuthenticationError(f"device {device.id} has been revoked")
+        device_id, device_task = device.id, device.task_id
+    rt.tokens.remember(token_hash, device_id, device_task)
     if device_task != task_id:
         raise PermissionDeniedError(f"device {device_id} is enrolled in another task, "
                                     f"not {task_id!r}")
     return device_id
+
+
+def bearer_device(rt: Runtime, *, task_id: str, authorization: str | None
+                  ) -> tuple[str | None, str]:
+    """(device id if the bearer token is cached, token hash) from an Authorization header,
+    without a query: an uncached token is authenticated later (by the upload writer with
+    its batch, or `authenticate_hash`). A cached token of another task is refused here."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationError("missing Authorization: Bearer <device token>")
+    h = hash_token(token.strip())
+    return rt.tokens.authorize(h, task_id), h

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
 from ..orm import JoinTokenRow, utcnow
 from ..runtime import Runtime
-from .tasks import get_task, hash_token
+from .lookups import get_task, hash_token
 
 
 def new_join_token(s: Session, *, task_id: str, max_devices: int | None) -> tuple[str, str]:
@@ -55,8 +55,13 @@ def revoke_join_token(rt: Runtime, *, task_id: str, token_id: str) -> None:
             row.revoked_at = utcnow()
 
 
+def effective_limit(rt: Runtime, max_devices: int | None) -> int:
+    """Devices a join token with limit `max_devices` enrolls (None: the Settings default)."""
+    return rt.settings.max_devices_per_join_token if max_devices is None else max_devices
+
+
 def limit_of(rt: Runtime, row: JoinTokenRow) -> int:
-    return rt.settings.max_devices_per_join_token if row.max_devices is None else row.max_devices
+    return effective_limit(rt, row.max_devices)
 
 
 def claim_enrolment(rt: Runtime, s: Session, *, task_id: str, join_token: str) -> str:

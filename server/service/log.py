@@ -112,6 +112,24 @@ def open_snapshot(rt: Runtime, session: Session, *, task_id: str, version: int,
         raise gone from e
 
 
+def serve_log(rt: Runtime, session: Session, *, task_id: str, since: int,
+              limit: int | None = None) -> list[LogEntryWire]:
+    """`log_since` for a device over HTTP, counted in the `bytes_out{kind="log"}` metric."""
+    entries = log_since(session, task_id=task_id, since=since, limit=limit)
+    rt.metrics.bytes_out.labels("log").inc(sum(len(e.coefs) + 40 * len(e.seeds)
+                                               for e in entries))
+    return entries
+
+
+def serve_snapshot(rt: Runtime, session: Session, *, task_id: str, version: int,
+                   fmt: str | None = None,
+                   ) -> tuple[tuple[str, str, str, int, str], Iterator[bytes]]:
+    """`open_snapshot` for a device over HTTP, counted in `bytes_out{kind="snapshot"}`."""
+    info, stream = open_snapshot(rt, session, task_id=task_id, version=version, fmt=fmt)
+    rt.metrics.bytes_out.labels("snapshot").inc(info[3])
+    return info, stream
+
+
 def catchup_plan(session: Session, *, task_id: str, from_version: int,
                  bandwidth: float = DEFAULT_BANDWIDTH,
                  regen_rate: float = DEFAULT_REGEN_RATE) -> CatchupPlan:

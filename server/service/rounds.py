@@ -32,6 +32,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..aggregation import apply_entry, combine, draw_seeds
+from ..caches import at_quorum
 from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
 from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
 from ..runtime import CloseFailure, Runtime
@@ -100,31 +101,37 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
                        participants=0, upload_bytes=0)
         s.add(row)
         s.flush()
-        rt.plan_cache[task_id] = (row.id, plan)
-        rt.upload_counts[row.id] = 0
-        rt.round_caps[row.id] = task.devices_per_round
+        rt.rounds.opened(task_id, row.id, plan, round_cap_of(task))
     rt.metrics.rounds_opened.inc()
     return plan
 
 
 def open_plan(rt: Runtime, *, task_id: str) -> tuple[int, RoundPlan] | None:
     """(round id, plan) of the task's open round, cached; None when no round is open."""
-    if task_id in rt.plan_cache:
-        return rt.plan_cache[task_id]
+    if rt.rounds.known(task_id):
+        return rt.rounds.plan(task_id)
     with rt.transaction() as s:
         task = get_task(s, task_id=task_id)
         row = s.scalars(select(RoundRow).where(RoundRow.task_id == task_id,
                                                RoundRow.state == RoundState.OPEN)).first()
         hit = None if row is None else (row.id, RoundPlan.model_validate_json(row.plan_json))
-        if row is not None:
-            rt.round_caps[row.id] = round_cap_of(task)
-    rt.plan_cache[task_id] = hit
+        cap = round_cap_of(task)
+    rt.rounds.found(task_id, hit, cap)
     return hit
 
 
 def current_plan(rt: Runtime, *, task_id: str) -> RoundPlan | None:
     hit = open_plan(rt, task_id=task_id)
     return None if hit is None else hit[1]
+
+
+def cached_plan(rt: Runtime, *, task_id: str) -> tuple[bool, RoundPlan | None]:
+    """(known, plan) of the task's open round from the cache alone, no query: an async
+    route answers a known plan without a thread hop, and calls `current_plan` otherwise."""
+    if not rt.rounds.known(task_id):
+        return False, None
+    hit = rt.rounds.plan(task_id)
+    return True, None if hit is None else hit[1]
 
 
 def _begin_close(rt: Runtime, task_id: str, number: int | None = None,
@@ -151,7 +158,7 @@ def _begin_close(rt: Runtime, task_id: str, number: int | None = None,
                 raise EmptyRoundError(f"round {row.number} of task {task_id!r} has no uploads "
                                       "to aggregate")
             row.state = RoundState.AGGREGATING
-        rt.plan_cache[task_id] = None
+        rt.rounds.stopped(task_id)
         return row.id
 
 
@@ -187,7 +194,7 @@ def _expire_unaggregatable(rt: Runtime, task_id: str, round_id: int, number: int
         r = s.get(RoundRow, round_id)
         if r is not None and r.state == RoundState.AGGREGATING:
             r.state, r.closed_at, r.participants = RoundState.EXPIRED, utcnow(), 0
-    rt.upload_counts.pop(round_id, None)
+    rt.rounds.finished(round_id, keep_cap=True)
     rt.metrics.rounds_expired.inc()
     raise EmptyRoundError(f"round {number} of task {task_id!r} has no upload from an enrolled "
                           "device within the bounds; it expired without a new version")
@@ -207,10 +214,10 @@ def _record_failure(rt: Runtime, task_id: str, round_id: int, exc: BaseException
             number = None if r is None else r.number
     except Exception:  # the database is what failed: record the failure all the same
         pass
-    rt.close_failures[task_id] = CloseFailure(
+    rt.close_failures.record(task_id, CloseFailure(
         round_id=round_id, round=number, attempts=attempts,
         error=f"{type(exc).__name__}: {exc}"[:500], failed_at=now,
-        retry_at=now + timedelta(seconds=delay))
+        retry_at=now + timedelta(seconds=delay)))
     logger.error("close of round %s of task %s failed (attempt %d, retry in %.0f s): %s",
                  number, task_id, attempts, delay, exc, exc_info=exc)
 
@@ -220,7 +227,7 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
     try:
         out = _finish_once(rt, task_id, round_id)
     except (ConflictError, NotFoundError):
-        rt.close_failures.pop(task_id, None)  # nothing left to retry
+        rt.close_failures.clear(task_id)  # nothing left to retry
         raise
     except Exception as e:
         try:
@@ -228,7 +235,7 @@ def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
         except Exception:  # the database itself is down: retry anyway, later
             logger.exception("could not record the failed close of task %s", task_id)
         raise
-    rt.close_failures.pop(task_id, None)
+    rt.close_failures.clear(task_id)
     return out
 
 
@@ -312,8 +319,7 @@ def _finish_once(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
             master.version = base + 1
         # Version base + 1 is committed: only now may the files it made unneeded go.
         prune_versions(rt, task_id=task_id, version=base + 1)
-    rt.upload_counts.pop(round_id, None)
-    rt.round_caps.pop(round_id, None)
+    rt.rounds.finished(round_id)
     rt.metrics.rounds_closed.inc()
     rt.metrics.aggregation_seconds.observe(time.perf_counter() - started)
     return LogEntryWire.from_entry(LogEntry(task_id, base, entry.seeds, entry.coefs, chk),
@@ -327,10 +333,14 @@ def close_round(rt: Runtime, *, task_id: str, number: int | None = None,
     return _finish(rt, task_id, _begin_close(rt, task_id, number, round_id))
 
 
+def is_due(rt: Runtime, *, task_id: str, round_id: int) -> bool:
+    """Whether round `round_id` is the task's open round and at its quorum (cached counts)."""
+    return rt.rounds.is_due(task_id, round_id)
+
+
 def close_if_due(rt: Runtime, *, task_id: str, round_id: int) -> LogEntryWire | None:
     """Close round `round_id` if it is still open and reached its quorum (upload path)."""
-    hit = rt.plan_cache.get(task_id)
-    if hit is None or hit[0] != round_id or rt.upload_counts.get(round_id, 0) < hit[1].quorum:
+    if not is_due(rt, task_id=task_id, round_id=round_id):
         return None
     try:
         return close_round(rt, task_id=task_id, round_id=round_id)
@@ -350,7 +360,7 @@ def expire_round(rt: Runtime, *, task_id: str, round_id: int) -> bool:
             return False
         row.state = RoundState.EXPIRED
         row.closed_at = utcnow()
-        rt.plan_cache[task_id] = None
+        rt.rounds.stopped(task_id)
     rt.metrics.rounds_expired.inc()
     return True
 
@@ -367,7 +377,7 @@ def due_rounds(rt: Runtime) -> list[tuple[str, int, bool]]:
              .outerjoin(counts, counts.c.round_id == RoundRow.id)
              .where(RoundRow.state == RoundState.OPEN))
         for task_id, rid, quorum, deadline, n in s.execute(q):
-            if n >= quorum or deadline <= now:
+            if at_quorum(n, quorum) or deadline <= now:
                 out.append((task_id, rid, n > 0))
     return out
 
@@ -391,7 +401,7 @@ def retry_failed_closes(rt: Runtime) -> list[LogEntryWire]:
     """Retry every failed close whose backoff has passed (the ticker calls this); one task's
     failure does not keep the others from closing."""
     now = utcnow()
-    due = [(t, f.round_id) for t, f in list(rt.close_failures.items()) if f.retry_at <= now]
+    due = rt.close_failures.due(now)
     done: list[LogEntryWire] = []
     for task_id, round_id in due + _orphaned(rt):
         try:

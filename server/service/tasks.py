@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from typing import Any
@@ -29,25 +28,15 @@ from .. import privacy
 from ..errors import InvalidTaskError, NotFoundError, StoreError
 from ..formats import publisher
 from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow
-from ..runtime import CloseFailure, Master, Runtime
+from ..runtime import Master, Runtime
 from ..schemas import TaskStatus
 from ..store import StoredFile
-
-
-def hash_token(token: str) -> str:
-    # Tokens are 256-bit random strings: a plain SHA-256 is enough (no dictionary to attack).
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+from .join_tokens import new_join_token
+from .lookups import get_task, hash_token
 
 
 def spec_of(task: TaskRow) -> TaskSpec:
     return TaskSpec.from_dict(json.loads(task.spec_json))
-
-
-def get_task(session: Session, *, task_id: str) -> TaskRow:
-    task = session.get(TaskRow, task_id)
-    if task is None:
-        raise NotFoundError(f"task {task_id!r} does not exist")
-    return task
 
 
 def round_cap_of(task: TaskRow) -> int | None:
@@ -168,8 +157,6 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                           budget_mb=spec.hyper.probe_memory_mb)
     except (ScopeError, ProbeMemoryError) as e:
         raise InvalidTaskError(f"invalid task: {e}") from e
-    from .join_tokens import new_join_token  # join_tokens imports this module
-
     task_id = secrets.token_hex(8)
     master = Master(bundle=bundle, version=0)
     chk = checksum(bundle.scope)
@@ -191,7 +178,7 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                          snapshot_path=snap.path, snapshot_sha256=snap.sha256,
                          snapshot_bytes=snap.nbytes, noise_std=0.0))
     rt.keep_master(task_id, master)
-    rt.plan_cache[task_id] = None
+    rt.rounds.stopped(task_id)
     return task_id, join_token, 0, chk
 
 
@@ -238,9 +225,16 @@ def devices_seen(session: Session, *, task_id: str) -> int:
     return session.scalar(q) or 0
 
 
-def task_status(session: Session, *, task_id: str, delta: float,
-                failure: CloseFailure | None = None) -> TaskStatus:
-    """The task's status; `failure`: its failing round close, if any (Runtime.close_failures)."""
+def task_spec(session: Session, *, task_id: str) -> TaskSpec:
+    """The task definition devices build their model from."""
+    return spec_of(get_task(session, task_id=task_id))
+
+
+def task_status(rt: Runtime, session: Session, *, task_id: str) -> TaskStatus:
+    """The task's status, with its failing round close if any (`Runtime.close_failures`) and
+    its privacy spent at the coordinator's `dp_delta`."""
+    failure = rt.close_failures.get(task_id)
+    delta = rt.settings.dp_delta
     task = get_task(session, task_id=task_id)
     spec = spec_of(task)
     version = get_version(session, task_id=task_id, version=task.current_version)
@@ -254,7 +248,7 @@ def task_status(session: Session, *, task_id: str, delta: float,
     eps = dp_epsilon(session, task=task, delta=delta)
     return TaskStatus(
         task_id=task.id, name=task.name, version=task.current_version, checksum=version.checksum,
-        round=None if last is None else last.number, state=state,  # type: ignore[arg-type]
+        round=None if last is None else last.number, state=state,
         devices=devices, devices_seen=devices_seen(session, task_id=task_id),
         quorum=task.quorum, round_timeout_s=task.round_timeout_s,
         devices_per_round=task.devices_per_round, scope=spec.scope, scope_numel=task.scope_numel,

@@ -184,7 +184,7 @@ def _authenticate(rt: Runtime, s: Session, pending: list[PendingUpload]
             refused.append((i, PermissionDeniedError(
                 f"device {d[0]} is enrolled in another task, not {p.task_id!r}")))
         else:
-            rt.token_cache[p.token_hash] = (d[0], d[1])
+            rt.tokens.remember(p.token_hash, d[0], d[1])
             ok.append(replace(p, device_id=d[0]))
     return ok, refused
 
@@ -209,16 +209,16 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
                 select(UploadRow.round_id, UploadRow.device_id, UploadRow.digest,
                        UploadRow.received_at)
                 .where(UploadRow.round_id.in_(rids), UploadRow.device_id.in_(devs)))}
-        for rid in rids - rt.upload_counts.keys():
-            rt.upload_counts[rid] = s.scalar(select(func.count()).select_from(UploadRow)
-                                             .where(UploadRow.round_id == rid)) or 0
-        uncapped = rids - rt.round_caps.keys()  # usually empty: opening a round caches it
+        for rid in rt.rounds.uncounted(rids):
+            rt.rounds.set_count(rid, s.scalar(select(func.count()).select_from(UploadRow)
+                                              .where(UploadRow.round_id == rid)) or 0)
+        uncapped = rt.rounds.uncapped(rids)  # usually empty: opening a round caches it
         if uncapped:
             for rid, cap in s.execute(select(RoundRow.id, TaskRow.devices_per_round)
                                       .join(TaskRow, TaskRow.id == RoundRow.task_id)
                                       .where(RoundRow.id.in_(uncapped))):
-                rt.round_caps[rid] = cap
-        counts = {rid: rt.upload_counts[rid] for rid in rids}
+                rt.rounds.set_cap(rid, cap)
+        counts = {rid: rt.rounds.count(rid) for rid in rids}
         fresh: list[dict[str, object]] = []
         for p in pending:
             assert p.device_id is not None
@@ -241,7 +241,7 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
             elif states.get(p.round_id) != RoundState.OPEN:
                 out.append(RoundClosedError(f"round {p.round} of task {p.task_id!r} is "
                                             f"{states.get(p.round_id)}, not open for uploads"))
-            elif (cap := rt.round_caps.get(p.round_id)) is not None and \
+            elif (cap := rt.rounds.cap(p.round_id)) is not None and \
                     counts[p.round_id] >= cap:
                 out.append(RoundFullError(f"round {p.round} of task {p.task_id!r} already has "
                                           f"the {cap} uploads its devices_per_round allows"))
@@ -260,7 +260,8 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
             s.execute(insert(UploadRow), fresh)  # one executemany
             s.execute(update(DeviceRow).where(DeviceRow.id.in_({u["device_id"] for u in fresh}))
                       .values(last_seen_at=now))
-    rt.upload_counts.update(counts)
+    for rid, n in counts.items():
+        rt.rounds.set_count(rid, n)
     for i, err in refused:  # put the authentication failures back in request order
         pending.insert(i, original[i])
         out.insert(i, err)
@@ -274,6 +275,11 @@ def write_uploads(rt: Runtime, pending: list[PendingUpload]) -> list[Outcome]:
         else:
             m_.uploads.labels("duplicate").inc()
     return out
+
+
+def count_rejected(rt: Runtime) -> None:
+    """Count a refused upload request (validation or authentication failed)."""
+    rt.metrics.uploads.labels("rejected").inc()
 
 
 def submit_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: str,

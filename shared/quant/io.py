@@ -142,7 +142,7 @@ def _skeleton(directory: Path, meta: Mapping[str, str], model_cls: Any) -> nn.Mo
             raise QuantFileError(f"{directory}: unknown architecture {meta.get('architecture')!r}"
                                  "; pass model_cls=")
     with torch.device("meta"):
-        return model_cls(config)  # type: ignore[no-any-return]
+        return model_cls(config)
 
 
 def _assign(model: nn.Module, tensors: Mapping[str, torch.Tensor], where: Path) -> None:

@@ -44,7 +44,7 @@ class QuantLinear(nn.Module):
         """Quantize `linear` (or `weight`, standing in for a meta-device linear's weight)."""
         w = linear.weight if weight is None else weight
         has_bias = linear.bias is not None
-        bias_dtype = linear.bias.dtype if has_bias else torch.float32  # type: ignore[union-attr]
+        bias_dtype = linear.bias.dtype if has_bias else torch.float32
         layer = cls(linear.in_features, linear.out_features, bits, group_size, bias=has_bias,
                     bias_dtype=bias_dtype)
         codes, scales = quantize_groups(w, bits, group_size)

@@ -14,17 +14,16 @@ far more than a weight perturbation of the same size.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ..errors import ScopeError
+from ..scope_options import ScalesOptions
 from ..scopes import Scope, ScopedTensor, register_scope
 from .linear import QuantLinear
 
 DEFAULT_DDC_CLIP = 100.0
-DEFAULT_SCALE_FLOOR = 1e-6
+DEFAULT_SCALE_FLOOR = ScalesOptions().floor
 
 
 class ScalesScope(Scope):
@@ -56,19 +55,18 @@ def plan_clip(scope_kind: str, clip: float | None) -> float | None:
     return DEFAULT_DDC_CLIP if scope_kind == "scales" else None
 
 
-@register_scope("scales")
-def build_scales_scope(model: nn.Module, floor: float = DEFAULT_SCALE_FLOOR,
-                       include: tuple[str, ...] | list[str] = (),
-                       group_size: int | None = None, bits: int | None = None,
-                       layers: tuple[str, ...] | list[str] = ()) -> Scope:
-    """`group_size` / `bits`, when a task's scope_options give them, must match the model's
-    quantized layers (both sides derive z's coverage from them, so a mismatch is refused).
+@register_scope("scales", options=ScalesOptions)
+def build_scales_scope(model: nn.Module, options: ScalesOptions | None = None) -> Scope:
+    """The scales scope of a quantized model with its typed options (`ScalesOptions`: floor,
+    include, group_size, bits, layers; their help says what each does).
 
-    `layers` (substrings of module paths, e.g. "encoder.layer.5.") restricts training to the
-    scales of the matching layers: the layers below stay frozen, so a device can cache their
-    output and each probe runs only the top of the model (`frozen_prefix_depth`)."""
-    if not (math.isfinite(floor) and floor > 0):
-        raise ScopeError(f"scope 'scales': floor must be positive and finite, got {floor}")
+    `group_size` / `bits`, when the task gives them, must match the model's quantized layers
+    (both sides derive z's coverage from them, so a mismatch is refused). `layers` restricts
+    training to the scales of the matching layers: the layers below stay frozen, so a device
+    can cache their output and each probe runs only the top of the model
+    (`frozen_prefix_depth`)."""
+    o = options if options is not None else ScalesOptions()
+    floor, include, group_size, bits, layers = o.floor, o.include, o.group_size, o.bits, o.layers
     quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if not quantized:
         raise ScopeError(

@@ -191,7 +191,7 @@ def _hf_bitlinear_type() -> type | None:
         from transformers.integrations.bitnet import BitLinear as HFBitLinear
     except ImportError:  # an older transformers without BitNet support
         return None
-    return HFBitLinear  # type: ignore[no-any-return]
+    return HFBitLinear
 
 
 def _unpack_hf(packed: torch.Tensor) -> torch.Tensor:

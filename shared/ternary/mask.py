@@ -16,63 +16,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import fields
+from typing import Any
 
 import numpy as np
 import torch
 
+# MaskConfig lives with the scope options (no torch needed to validate a task definition).
+from ..scope_options import SELECTIONS as SELECTIONS
+from ..scope_options import MaskConfig, TernaryOptions
+from ..scope_options import Selection as Selection
 from ..stream import MASK64, tensor_id
 from .quantize import threshold_distance
 
-Selection = Literal["threshold", "random", "full"]
-SELECTIONS: tuple[str, ...] = ("threshold", "random", "full")
 
-
-@dataclass(frozen=True)
-class MaskConfig:
-    """How the ternary scope picks its trainable latents, and how often it re-picks them.
-
-    `refresh_gamma`: at each mask epoch the coordinator recomputes every gamma = mean |W| from
-    its latents (BitNet semantics), so the whole packed model changes and devices re-download
-    it. With False, gamma stays as converted for the whole task and an epoch change only moves
-    the codes of the previously masked elements.
-    """
-
-    selection: Selection = "threshold"
-    # 1%: a device then holds 8 bytes (index + fp32 latent) per masked weight, 1.8% of the
-    # fp32 model, and a ZO step peaks at 1.065 x packed inference on a 1.1B Llama; 2% learns
-    # ~20% faster per forward but peaks at 1.156 x (benchmarks/ternary.py, README).
-    fraction: float = 0.01
-    epoch_rounds: int = 10
-    seed: int = 0
-    refresh_gamma: bool = True
-
-    def __post_init__(self) -> None:
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"mask selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if not (math.isfinite(self.fraction) and 0 < self.fraction <= 1):
-            raise ValueError(f"mask fraction must lie in (0, 1], got {self.fraction}")
-        if self.epoch_rounds < 1:
-            raise ValueError(f"epoch_rounds must be >= 1, got {self.epoch_rounds}")
-        if not 0 <= self.seed <= MASK64:
-            raise ValueError(f"mask seed must be a uint64, got {self.seed}")
-
-    def epoch_of(self, round_index: int) -> int:
-        """The mask epoch a round belongs to (rounds counted from 0). The coordinator counts
-        committed versions: version v is in epoch v // epoch_rounds, and the round that
-        commits a version with v % epoch_rounds == 0 (v > 0) starts a new epoch."""
-        if round_index < 0:
-            raise ValueError(f"round index must be >= 0, got {round_index}")
-        return round_index // self.epoch_rounds
-
-    def starts_epoch(self, round_index: int) -> bool:
-        return round_index % self.epoch_rounds == 0
-
-
-def mask_config(options: Mapping[str, Any]) -> MaskConfig:
-    """The MaskConfig among a ternary task's scope options (which may also hold the scope
-    builder's own arguments, e.g. `act_bits`)."""
+def mask_config(options: TernaryOptions | Mapping[str, Any]) -> MaskConfig:
+    """The MaskConfig of a ternary task's scope options (typed, or their JSON object, which
+    may also hold the scope builder's own arguments, e.g. `act_bits`)."""
+    if isinstance(options, TernaryOptions):
+        return options.mask
     names = {f.name for f in fields(MaskConfig)}
     return MaskConfig(**{k: v for k, v in options.items() if k in names})
 

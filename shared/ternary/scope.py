@@ -21,12 +21,14 @@ gammas, masks and epoch, since the masked values alone cannot rebuild a later ep
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import MissingTensorError, ScopeError
+from ..scope_options import TernaryOptions
 from ..scopes import Scope, ScopedTensor, register_epochs, register_scope
 from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
 from .mask import MaskConfig, choose_mask, mask_config
@@ -188,12 +190,19 @@ def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
 
 
 @register_epochs("ternary")
-def version_epoch(options: Mapping[str, Any], version: int) -> int:
+def version_epoch(options: TernaryOptions | Mapping[str, Any], version: int) -> int:
     """The mask epoch of `version` of a task whose scope options are `options`."""
     return mask_config(options).epoch_of(version)
 
 
-@register_scope("ternary")
+@register_scope("ternary", options=TernaryOptions)
+def _build_from_options(model: nn.Module, options: TernaryOptions, epoch: int = 0,
+                        convert: bool = True) -> TernaryScope:
+    """`build_ternary_scope` with a task's typed options (`build_scope("ternary", ...)`)."""
+    return build_ternary_scope(model, epoch=epoch, convert=convert, act_bits=options.act_bits,
+                               **asdict(options.mask))
+
+
 def build_ternary_scope(model: nn.Module, epoch: int = 0, convert: bool = True,
                         act_bits: int | None = 8, **mask_options: Any) -> TernaryScope:
     """The ternary scope of `model`.

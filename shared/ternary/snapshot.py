@@ -202,7 +202,7 @@ def _skeleton(directory: Path, meta: Mapping[str, str], model_cls: Any) -> nn.Mo
             raise TernaryFormatError(f"{directory}: unknown architecture "
                                      f"{meta.get('architecture')!r}; pass model_cls=")
     with empty_init():
-        return model_cls(config)  # type: ignore[no-any-return]
+        return model_cls(config)
 
 
 @contextmanager

@@ -130,7 +130,7 @@ def test_packed_build_is_bit_identical(tiny_llama: Path, tmp_path: Path, kind: s
 
 def test_act_bits_from_scope_options(tiny_llama: Path) -> None:
     spec = ternary_spec(tiny_llama)
-    spec = replace(spec, scope_options={**spec.scope_options, "act_bits": None})
+    spec = replace(spec, scope_options={**spec.scope_options.to_dict(), "act_bits": None})
     data, check = _published(spec)
     old_model, _ = _old_device(spec, data, check)
     device = PackedTernary(spec)

@@ -11,6 +11,7 @@ from seedfed.client.recipes import (
     preference_recipe,
     sst2_recipe,
 )
+from seedfed.shared.scope_options import NamedOptions
 from seedfed.shared.task import TaskSpec
 
 
@@ -19,7 +20,7 @@ def test_sst2_recipe_trains_the_prototype_head_on_twenty_devices() -> None:
 
     assert recipe.spec.model_path == "/models/minilm"
     assert recipe.spec.scope == "named"
-    assert recipe.spec.scope_options == {"patterns": ("classifier",)}
+    assert recipe.spec.scope_options == NamedOptions(patterns=("classifier",))
     assert recipe.spec.label_texts == SST2_LABEL_TEXTS
     assert recipe.devices >= 20 and recipe.alpha == 0.5
     assert default_sst2_spec("/models/minilm") == recipe.spec

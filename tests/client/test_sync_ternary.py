@@ -51,7 +51,7 @@ def _commit(coord: TernaryScope, version: int) -> LogEntry:
     seeds, coefs = (3 * version, 3 * version + 1), (0.01, -0.01)
     apply_seeds(coord, seeds, coefs)
     coord.enter_version(version)
-    return LogEntry(TASK, version - 1, seeds, coefs, checksum(coord), {"mask_epoch": coord.epoch})
+    return LogEntry(TASK, version - 1, seeds, coefs, checksum(coord), mask_epoch=coord.epoch)
 
 
 class Snapshots:

@@ -195,7 +195,9 @@ def test_int8_task_publishes_through_the_quant_hook(client: TestClient, tiny_ber
 
     from .conftest import tiny_spec
 
-    task_id, _ = new_task(client, tiny_spec(tiny_bert, format="int8"))
+    spec = tiny_spec(tiny_bert, format="int8", scope="named",
+                     scope_options={"patterns": ("classifier",)})
+    task_id, _ = new_task(client, spec)
 
     fp32 = st_load(client.get(f"/v1/tasks/{task_id}/snapshots/0", headers=ADMIN).content)
     r = client.get(f"/v1/tasks/{task_id}/snapshots/0", params={"format": "int8"},

@@ -38,7 +38,7 @@ def g(plan: RoundPlan, seed: int) -> np.ndarray:
 def store_unchecked(rt: Runtime, task_id: str, device_id: str, plan: RoundPlan, *,
                     loss: float) -> None:
     """Store an upload the way a coordinator without bounds did (no validation)."""
-    hit = rt.plan_cache[task_id]
+    hit = rt.rounds.plan(task_id)
     assert hit is not None
     m = np.ones((plan.steps, plan.perturbations), dtype=np.float32)
     (out,) = write_uploads(rt, [PendingUpload(
@@ -104,7 +104,7 @@ def test_a_failed_close_is_retried_with_backoff_until_it_succeeds(
     assert failing.close_error is not None and "transient model load" in failing.close_error
     status = coord.task_status(task_id)
     assert (status.version, status.state, status.close_error) == (1, "idle", None)
-    assert coord.rt.close_failures == {}
+    assert len(coord.rt.close_failures) == 0
 
 
 def test_recovery_of_one_failing_task_does_not_stop_the_others(

@@ -146,6 +146,11 @@ CASES: dict[str, tuple[Callable[[World], Response], int, str]] = {
         w, json.dumps({"spec": w.spec, "name": "\ud800"})), 422, "surrogate"),
     "lone surrogate inside the spec": (lambda w: create(
         w, json.dumps({"spec": {**w.spec, "model_path": "\udcff"}})), 422, "surrogate"),
+    "a boolean as the quorum": (lambda w: w.client.post(
+        "/v1/tasks", json={"spec": w.spec, "quorum": True}, headers=ADMIN), 422, "quorum"),
+    "a boolean as a join token's max_devices": (lambda w: w.client.post(
+        f"/v1/tasks/{w.task_id}/join-tokens", json={"max_devices": True}, headers=ADMIN), 422,
+        "max_devices"),
     "NUL in a task name": (lambda w: w.client.post(
         "/v1/tasks", json={"spec": w.spec, "name": "a\x00b"}, headers=ADMIN), 422, "NUL"),
     "NUL in a task id": (lambda w: w.client.get("/v1/tasks/a%00b", headers=ADMIN), 422,

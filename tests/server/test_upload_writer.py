@@ -49,4 +49,4 @@ def test_a_row_the_database_refuses_fails_alone(coord: Coordinator, spec: TaskSp
     # Assert
     assert isinstance(outcomes[2], Exception)
     assert all(isinstance(o, UploadReceipt) for i, o in enumerate(outcomes) if i != 2)
-    assert coord.rt.upload_counts[pending[0].round_id] == 5
+    assert coord.rt.rounds.count(pending[0].round_id) == 5

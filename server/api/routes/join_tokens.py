@@ -21,9 +21,8 @@ async def create(task_id: TaskIdPath, body: JoinTokenCreate, rt: RuntimeDep,
     token_id, token, revoked = await run_in_threadpool(
         join_tokens.create_join_token, rt, task_id=task_id, max_devices=body.max_devices,
         revoke_others=body.revoke_others)
-    limit = rt.settings.max_devices_per_join_token if body.max_devices is None \
-        else body.max_devices
-    return JoinTokenCreated(token_id=token_id, join_token=token, max_devices=limit,
+    return JoinTokenCreated(token_id=token_id, join_token=token,
+                            max_devices=join_tokens.effective_limit(rt, body.max_devices),
                             revoked=revoked)
 
 

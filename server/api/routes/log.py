@@ -31,10 +31,7 @@ def log(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep, _: ReaderDep,
         since: Annotated[int, Query(ge=0, le=MAX_VERSION)] = 0,
         limit: Annotated[int | None, Query(ge=1, le=100_000)] = None) -> list[LogEntryWire]:
     """Entries after version `since`: seeds, float32 coefficients (base64) and checksum."""
-    entries = service.log_since(session, task_id=task_id, since=since, limit=limit)
-    rt.metrics.bytes_out.labels("log").inc(sum(len(e.coefs) + 40 * len(e.seeds)
-                                               for e in entries))
-    return entries
+    return service.serve_log(rt, session, task_id=task_id, since=since, limit=limit)
 
 
 @router.get("/snapshots/{version}", response_class=StreamingResponse,
@@ -54,9 +51,8 @@ def snapshot(task_id: TaskIdPath, version: VersionPath, session: SessionDep, rt:
     """The trainable state of a version as safetensors (fp32 master by default), streamed.
     404 for a version whose files were pruned (`keep_versions`): take the current one or
     replay the log."""
-    (_path, sha, chk, size, fmt), stream = service.open_snapshot(
+    (_path, sha, chk, size, fmt), stream = service.serve_snapshot(
         rt, session, task_id=task_id, version=version, fmt=format)
-    rt.metrics.bytes_out.labels("snapshot").inc(size)
     return StreamingResponse(stream, media_type="application/octet-stream", headers={
         "Content-Length": str(size), HEADER_CHECKSUM: chk, HEADER_SHA256: sha,
         HEADER_VERSION: str(version), HEADER_FORMAT: fmt, "ETag": f'"{sha}"',

@@ -54,9 +54,9 @@ async def open_round(task_id: TaskIdPath, rt: RuntimeDep, _: AdminDep) -> RoundP
 @router.get("/current", response_model=RoundPlan, responses=errors(401, 403, 404, 422))
 async def current(task_id: TaskIdPath, rt: RuntimeDep, _: ReaderDep) -> RoundPlan:
     """The open round's plan: version, seeds (steps x perturbations), lr, eps, deadline."""
-    hit = rt.plan_cache.get(task_id)
-    plan = hit[1] if hit is not None else await run_in_threadpool(
-        service.current_plan, rt, task_id=task_id)
+    known, plan = service.cached_plan(rt, task_id=task_id)
+    if not known:
+        plan = await run_in_threadpool(service.current_plan, rt, task_id=task_id)
     if plan is None:
         raise NotFoundError(f"task {task_id!r} has no open round")
     return plan

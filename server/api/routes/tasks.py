@@ -30,24 +30,19 @@ async def create_task(body: TaskCreate, rt: RuntimeDep, _: AdminDep) -> TaskCrea
 
 @router.get("", response_model=list[TaskStatus], responses=errors(401))
 def list_tasks(session: SessionDep, rt: RuntimeDep, _: StatsReaderDep) -> list[TaskStatus]:
-    return [service.task_status(session, task_id=t.id, delta=rt.settings.dp_delta,
-                                failure=rt.close_failures.get(t.id))
-            for t in service.list_tasks(session)]
+    return [service.task_status(rt, session, task_id=t.id) for t in service.list_tasks(session)]
 
 
 @router.get("/{task_id}", response_model=TaskStatus, responses=errors(401, 403, 404, 422))
 def get_task(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep, _: ReaderDep) -> TaskStatus:
-    return service.task_status(session, task_id=task_id, delta=rt.settings.dp_delta,
-                               failure=rt.close_failures.get(task_id))
+    return service.task_status(rt, session, task_id=task_id)
 
 
 @router.get("/{task_id}/spec", responses=errors(401, 403, 404, 422))
 def task_spec(task_id: TaskIdPath, session: SessionDep, _: ReaderDep) -> dict[str, Any]:
     """The task definition (TaskSpec as JSON) a device builds its model and scope from; the
     device substitutes its own copy of the base model for `model_path`."""
-    from ...service.tasks import get_task, spec_of
-
-    return spec_of(get_task(session, task_id=task_id)).to_dict()
+    return service.task_spec(session, task_id=task_id).to_dict()
 
 
 @router.get("/{task_id}/stats", response_model=TaskStats, responses=errors(401, 404, 422))
