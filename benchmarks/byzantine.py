@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_sweep import losses  # noqa: E402  (the head sweep's batched two-point loss)
 from seedfed.shared.aggregate import AggregationConfig, aggregate  # noqa: E402
 
 ATTACKS: tuple[str, ...] = ("extreme", "sign_flip", "constant", "colluding", "inflated")
@@ -128,17 +129,6 @@ def synthetic_features(devices: int, seed: int, d: int = 32, n: int = 4000
     return {"pool_x": px, "pool_y": py, "val_x": vx, "val_y": vy,
             "parts": [np.array(sorted(p)) for p in parts],
             "w0": torch.zeros(2, d), "b0": torch.zeros(2)}
-
-
-def losses(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of a batch under each of K flat heads theta [K, 2 * d + 2]."""
-    d = x.shape[1]
-    w = theta[:, : 2 * d].reshape(-1, 2, d)
-    b = theta[:, 2 * d:]
-    logits = torch.einsum("nd,kcd->knc", x, w) + b[:, None, :]
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, 2), y.repeat(theta.shape[0]), reduction="none"
-    ).reshape(theta.shape[0], -1).mean(1)
 
 
 def batches(rng: np.random.Generator, parts: list[np.ndarray], batch: int

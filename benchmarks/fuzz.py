@@ -22,11 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import secrets
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-PG_URL = os.environ.get("SEEDFED_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from seedfed.bench.coordinator_process import coordinator, database, tiny_model
+
 ADMIN = "fuzz-admin-token-" + "x" * 16
 # Operations only the admin may call; the others take a device token (or the admin's).
 ADMIN_ONLY = {("POST", "/v1/tasks"), ("GET", "/v1/tasks"), ("GET", "/v1/tasks/{task_id}/stats"),
@@ -45,22 +42,6 @@ ADMIN_ONLY = {("POST", "/v1/tasks"), ("GET", "/v1/tasks"), ("GET", "/v1/tasks/{t
 DEVICE_ONLY = {("POST", "/v1/tasks/{task_id}/rounds/{round_number}/uploads")}
 
 
-def tiny_model(path: Path) -> Path:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "negative", "positive"]
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        BertForSequenceClassification(BertConfig(
-            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64)).save_pretrained(path)
-    return path
-
-
 def task_spec(model: Path) -> dict[str, Any]:
     from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
 
@@ -68,67 +49,6 @@ def task_spec(model: Path) -> dict[str, Any]:
                     scope="lora", lora=LoraOptions(r=2),
                     hyper=Hyper(lr=1e-2, eps=1e-3, steps=2, perturbations=3,
                                 batch_size=4)).to_dict()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def database(kind: str, tmp: Path) -> Iterator[str]:
-    if kind == "sqlite":
-        yield f"sqlite:///{tmp / 'coordinator.db'}"
-        return
-    import sqlalchemy as sa
-
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"seedfed_fuzz_{secrets.token_hex(4)}"
-    with admin.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield sa.engine.make_url(PG_URL).set(database=name).render_as_string(
-            hide_password=False)
-    finally:
-        with admin.connect() as c:
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-@contextlib.contextmanager
-def coordinator(url: str, tmp: Path, log_path: Path) -> Iterator[str]:
-    """A `seedfed coordinator` process on a free loopback port; yields its base URL."""
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-c", "from seedfed.cli import main; main()", "coordinator",
-             "--db", url, "--store", str(tmp / "store"), "--admin-token", ADMIN,
-             "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-            stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 120
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(base + "/readyz").status_code == 200:
-                        break
-                if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError("coordinator did not start:\n"
-                                       + log_path.read_text(errors="replace")[-3000:])
-                time.sleep(0.2)
-            yield base
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 class World:
@@ -328,7 +248,9 @@ def serve(db: str) -> Iterator[tuple[str, World, Path]]:
         tmp = Path(tmp_name)
         model = tiny_model(tmp / "model")
         log_path = tmp / "coordinator.log"
-        with database(db, tmp) as url, coordinator(url, tmp, log_path) as base:
+        with database(db, tmp, "seedfed_fuzz") as url, coordinator(
+                url, tmp / "store", ADMIN, log_path, env={"OMP_NUM_THREADS": "1"},
+                timeout=120) as (base, _):
             yield base, World(base, model), log_path
 
 

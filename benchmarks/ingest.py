@@ -22,11 +22,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import secrets
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,64 +30,26 @@ from typing import Any
 
 import numpy as np
 
-PG_URL = os.environ.get("SEEDFED_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from seedfed.bench.coordinator_process import coordinator, database, enroll_fleet, tiny_model
+
 ADMIN = "bench-admin-token-" + "x" * 16
-
-
-def tiny_model(path: Path) -> Path:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "negative", "positive"]
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        BertForSequenceClassification(BertConfig(
-            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64)).save_pretrained(path)
-    return path
-
-
-def fresh_pg_database() -> tuple[str, Any]:
-    import sqlalchemy as sa
-
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"seedfed_bench_{secrets.token_hex(4)}"
-    with admin.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as c:
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    return url, drop
 
 
 def prepare(url: str, store: Path, model: Path, n: int, seeds: int) -> tuple[str, list[str],
                                                                              list[str]]:
     """Task, n enrolled devices, an open round; returns (task_id, tokens, upload bodies)."""
-    from seedfed.server import service
-    from seedfed.server.coordinator import Coordinator
-    from seedfed.server.settings import Settings
     from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
     from seedfed.shared.wire import Upload
 
     spec = TaskSpec(model_path=str(model), label_texts=("negative", "positive"),
                     lora=LoraOptions(r=2), hyper=Hyper(steps=1, perturbations=seeds))
-    with Coordinator.open(Settings(database_url=url, store_dir=store,
-                                   admin_token=ADMIN)) as c:
-        task_id = c.create_task(spec, quorum=10 * n, round_timeout_s=3600)
-        tokens = [service.enroll_device(c.rt, task_id=task_id, join_token=None)[1]
-                  for _ in range(n)]
-        plan = c.open_round(task_id)
+    task_id, devices, plan = enroll_fleet(url, store, ADMIN, spec, quorum=10 * n, devices=n,
+                                          open_round=True)
+    assert plan is not None
     rng = np.random.default_rng(0)
     bodies = [Upload.build(plan, rng.normal(size=(1, seeds)), 16, 0.6).model_dump_json()
               for _ in range(n)]
-    return task_id, tokens, bodies
+    return task_id, [token for _, token in devices], bodies
 
 
 def _request(host: str, path: str, token: str, body: str) -> bytes:
@@ -213,73 +171,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def bench(backend: str, rate: float, args: argparse.Namespace, model: Path) -> dict[str, Any]:
     import httpx
 
-    drop = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if backend == "sqlite":
-            url = f"sqlite:///{Path(tmp) / 'coordinator.db'}"
-        else:
-            url, drop = fresh_pg_database()
-        try:
-            t0 = time.perf_counter()
-            task_id, tokens, bodies = prepare(url, Path(tmp) / "store", model, args.uploads,
-                                              args.seeds)
-            setup_s = time.perf_counter() - t0
-            port = free_port()
-            env = {**os.environ, "SEEDFED_INGEST_BATCH": str(args.batch)}
-            log_path = Path(tmp) / "server.log"
-            log = open(log_path, "wb")  # noqa: SIM115 (closed after the server exits)
-            server = subprocess.Popen(
-                [sys.executable, "-c", "from seedfed.cli import main; main()", "coordinator",
-                 "--db", url, "--store", str(Path(tmp) / "store"), "--admin-token", ADMIN,
-                 "--host", "127.0.0.1", "--port", str(port)], env=env,
-                stdout=log, stderr=subprocess.STDOUT)
-            base = f"http://127.0.0.1:{port}"
-            try:
-                deadline = time.time() + 60
-                while True:
-                    try:
-                        if httpx.get(base + "/readyz").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.time() > deadline or server.poll() is not None:
-                        raise RuntimeError("coordinator did not start:\n"
-                                           + log_path.read_text()[-3000:])
-                    time.sleep(0.2)
-                work = list(zip(tokens, bodies, strict=True))
-                ctx = mp.get_context("spawn")
-                q = ctx.Queue()
-                per = args.clients // args.client_procs
-                start_at = time.time() + 3.0
-                procs = [ctx.Process(target=client_proc, args=(
-                    base, task_id, work[i::args.client_procs], per, start_at, q, args.client,
-                    rate / args.client_procs))
-                    for i in range(args.client_procs)]
-                for p in procs:
-                    p.start()
-                cpu0 = cpu_seconds(server.pid)
-                results = [q.get(timeout=600) for _ in procs]
-                server_cpu = cpu_seconds(server.pid) - cpu0
-                for p in procs:
-                    p.join()
-                stats = httpx.get(f"{base}/v1/tasks/{task_id}/stats",
-                                  headers={"Authorization": f"Bearer {ADMIN}"}).json()
-            finally:
-                server.terminate()
-                server.wait(timeout=30)
-                log.close()
-        finally:
-            if drop is not None:
-                drop()
+    with tempfile.TemporaryDirectory() as tmp, \
+            database(backend, Path(tmp), "seedfed_bench") as url:
+        t0 = time.perf_counter()
+        task_id, tokens, bodies = prepare(url, Path(tmp) / "store", model, args.uploads,
+                                          args.seeds)
+        setup_s = time.perf_counter() - t0
+        with coordinator(url, Path(tmp) / "store", ADMIN, Path(tmp) / "server.log",
+                         env={"SEEDFED_INGEST_BATCH": str(args.batch)}, timeout=60,
+                         ) as (base, server):
+            work = list(zip(tokens, bodies, strict=True))
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            per = args.clients // args.client_procs
+            start_at = time.time() + 3.0
+            procs = [ctx.Process(target=client_proc, args=(
+                base, task_id, work[i::args.client_procs], per, start_at, q, args.client,
+                rate / args.client_procs))
+                for i in range(args.client_procs)]
+            for p in procs:
+                p.start()
+            cpu0 = cpu_seconds(server.pid)
+            results = [q.get(timeout=600) for _ in procs]
+            server_cpu = cpu_seconds(server.pid) - cpu0
+            for p in procs:
+                p.join()
+            stats = httpx.get(f"{base}/v1/tasks/{task_id}/stats",
+                              headers={"Authorization": f"Bearer {ADMIN}"}).json()
     lat = sorted(x for r in results for x in r[0])
     wall = max(r[3] for r in results) - min(r[2] for r in results)
     stored = stats["rounds"][0]["participants"]

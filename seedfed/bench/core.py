@@ -64,19 +64,26 @@ class CoreBenchConfig:
         return "quick" if self.quick else "full"
 
 
-def _worker(config: CoreBenchConfig, kind: str, timeout: float = 7200) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; its last stdout line is the JSON result."""
-    args = [kind, "--shape", config.shape, "--repeats", config.repeats, "--numel",
-            config.replay_numel, "--seeds", config.replay_seeds, "--threads", config.threads or 0]
-    cmd = [sys.executable, "-m", "seedfed.bench.core_worker", *map(str, args)]
+def run_worker(module: str, args: list[object], what: str,
+               timeout: float = 7200) -> dict[str, Any]:
+    """Run one measurement (`python -m module *args`) in a fresh interpreter, offline; its last
+    stdout line is the JSON result. `what` names it in the error if it fails."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark worker {kind} failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker(config: CoreBenchConfig, kind: str, timeout: float = 7200) -> dict[str, Any]:
+    """Run one measurement of `seedfed.bench.core_worker` in a fresh interpreter."""
+    args: list[object] = [kind, "--shape", config.shape, "--repeats", config.repeats,
+                          "--numel", config.replay_numel, "--seeds", config.replay_seeds,
+                          "--threads", config.threads or 0]
+    return run_worker("seedfed.bench.core_worker", args, f"benchmark worker {kind}", timeout)
 
 
 def _ratio(a: float, b: float) -> float:

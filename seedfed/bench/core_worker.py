@@ -15,9 +15,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from .core_setup import build_model, make_batch, peak_rss_mb, reset_peak, rss_mb, shape_named
 
@@ -43,7 +45,8 @@ def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
     return step
 
 
-def _work(kind: str, shape_name: str) -> Callable[[int], None]:
+def _model_and_loss(shape_name: str) -> tuple[nn.Module, Any, Callable[[], float]]:
+    """The shape's model, its fixed batch, and the no-grad forward loss on that batch."""
     from seedfed.client.trainer import causal_lm_loss
 
     shape = shape_named(shape_name)
@@ -54,6 +57,13 @@ def _work(kind: str, shape_name: str) -> Callable[[int], None]:
         with torch.no_grad():
             return float(causal_lm_loss(model, batch))
 
+    return model, batch, loss_fn
+
+
+def _work(kind: str, shape_name: str) -> Callable[[int], None]:
+    from seedfed.client.trainer import causal_lm_loss
+
+    model, batch, loss_fn = _model_and_loss(shape_name)
     if kind == "inference":
         return lambda _seed: None if loss_fn() else None
     if kind in ("zo_virtual", "zo_copy"):
@@ -92,16 +102,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def measure_speed(shape_name: str, repeats: int) -> dict[str, object]:
-    from seedfed.client.trainer import causal_lm_loss
-
-    shape = shape_named(shape_name)
-    model = build_model(shape)
-    batch = make_batch(shape)
-
-    def loss_fn() -> float:
-        with torch.no_grad():
-            return float(causal_lm_loss(model, batch))
-
+    model, _, loss_fn = _model_and_loss(shape_name)
     steps = {mode: _zo_step_fn(model, loss_fn, mode) for mode in ("virtual", "copy")}
     loss_fn()  # warm-up: first-call allocations and kernel selection are not what we compare
     for step in steps.values():

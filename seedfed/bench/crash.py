@@ -30,11 +30,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,48 +41,10 @@ from typing import Any
 
 import numpy as np
 
-PG_URL = os.environ.get("SEEDFED_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+from . import coordinator_process
+from .coordinator_process import tiny_model
+
 ADMIN = "crash-admin-token-" + "x" * 16
-
-
-def tiny_model(path: Path) -> Path:
-    """A 2-layer BERT classifier on disk (what the coordinator builds task models from)."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "negative", "positive"]
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        BertForSequenceClassification(BertConfig(
-            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=64)).save_pretrained(path)
-    return path
-
-
-def fresh_pg_database() -> tuple[str, Any]:
-    import sqlalchemy as sa
-
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"seedfed_crash_{secrets.token_hex(4)}"
-    with admin.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as c:
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    return url, drop
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scalars_for(device: int, round_number: int, shape: tuple[int, int]) -> np.ndarray:
@@ -178,30 +137,14 @@ def _worker(c: Campaign, lane: int, lanes: int) -> None:
             done.add((plan.round, d))
 
 
+#: Tick and close retries fast, so a restart finishes a crashed close within the campaign.
+SERVER_ENV = {"SEEDFED_TICK_INTERVAL_S": "0.2", "SEEDFED_CLOSE_RETRY_BASE_S": "0.2",
+              "SEEDFED_CLOSE_RETRY_MAX_S": "1"}
+
+
 def _start(url: str, store: Path, port: int, log: Any) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SEEDFED_TICK_INTERVAL_S": "0.2", "SEEDFED_CLOSE_RETRY_BASE_S": "0.2",
-           "SEEDFED_CLOSE_RETRY_MAX_S": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-c", "from seedfed.cli import main; main()", "coordinator",
-         "--db", url, "--store", str(store), "--admin-token", ADMIN, "--host", "127.0.0.1",
-         "--port", str(port), "--keep-versions", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], log_path: Path,
-                timeout: float = 180.0) -> float:
-    import httpx
-
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                return time.time() - t0
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() - t0 > timeout:
-            raise RuntimeError("coordinator did not start:\n" + log_path.read_text()[-4000:])
-        time.sleep(0.1)
+    return coordinator_process.start(url, store, ADMIN, port, log, env=SERVER_ENV,
+                                     args=("--keep-versions", "0"))
 
 
 def _wait_settled(base: str, task_id: str, timeout: float = 300.0) -> bool:
@@ -289,6 +232,11 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
         stuck = [r.number for r in rounds.values() if r.state == RoundState.AGGREGATING]
         if stuck:
             problems.append(f"rounds left aggregating: {stuck}")
+        # a round planned at a base other than the version before it never commits: its
+        # uploads (200 receipts) are abandoned, so there must be none
+        abandoned = [r.number for r in rounds.values() if r.state == RoundState.ABANDONED]
+        if abandoned:
+            problems.append(f"rounds abandoned (planned at a stale base): {abandoned}")
         # 4. replay from v0 and re-aggregation of every closed round
         bundle = build_model(spec, initialize=False)
         bundle.scope.load_master_state(rt.store.read_state(versions[0].master_path,
@@ -338,80 +286,66 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
              budget_s: float | None = None, log: bool = True) -> dict[str, Any]:
     """One backend: enroll, run under load, SIGKILL `kills` times (or as many as fit in
     `budget_s` seconds), verify."""
-    from seedfed.server import service
-    from seedfed.server.coordinator import Coordinator
-    from seedfed.server.settings import Settings
     from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
 
     rnd = random.Random(seed)
-    drop = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if backend == "sqlite":
-            url = f"sqlite:///{Path(tmp) / 'coordinator.db'}"
-        else:
-            url, drop = fresh_pg_database()
+    with tempfile.TemporaryDirectory() as tmp, \
+            coordinator_process.database(backend, Path(tmp), "seedfed_crash") as url:
         store = Path(tmp) / "store"
-        try:
-            spec = TaskSpec(model_path=str(model), label_texts=("negative", "positive"),
-                            lora=LoraOptions(r=2), hyper=Hyper(steps=1, perturbations=seeds,
-                                                               lr=1e-3))
-            with Coordinator.open(Settings(database_url=url, store_dir=store,
-                                           admin_token=ADMIN)) as co:
-                task_id = co.create_task(spec, quorum=quorum, round_timeout_s=3600)
-                tokens = [service.enroll_device(co.rt, task_id=task_id, join_token=None)
-                          for _ in range(devices)]
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            log_path = Path(tmp) / "server.log"
-            logf = open(log_path, "ab")  # noqa: SIM115 (closed at the end)
+        spec = TaskSpec(model_path=str(model), label_texts=("negative", "positive"),
+                        lora=LoraOptions(r=2), hyper=Hyper(steps=1, perturbations=seeds,
+                                                           lr=1e-3))
+        task_id, tokens, _ = coordinator_process.enroll_fleet(
+            url, store, ADMIN, spec, quorum=quorum, devices=devices)
+        port = coordinator_process.free_port()
+        base = f"http://127.0.0.1:{port}"
+        log_path = Path(tmp) / "server.log"
+        logf = open(log_path, "ab")  # noqa: SIM115 (closed at the end)
+        proc = _start(url, store, port, logf)
+        coordinator_process.wait_ready(base, proc, log_path)
+        c = Campaign(base=base, task_id=task_id, tokens=tokens, quorum=quorum)
+        threads = [threading.Thread(target=_worker, args=(c, i, lanes), daemon=True)
+                   for i in range(lanes)]
+        for t in threads:
+            t.start()
+        kinds = {"random": 0, "at_close": 0}
+        inside_close = 0
+        restarts: list[float] = []
+        t_start = time.time()
+        done = 0
+        for k in range(kills):
+            if budget_s is not None and time.time() - t_start > budget_s:
+                break
+            if rnd.random() < at_close:
+                kinds["at_close"] += 1
+                c.quorum_hit.clear()
+                c.quorum_hit.wait(timeout=30)
+                time.sleep(rnd.uniform(0.0, 0.03))  # inside the close that follows
+            else:
+                kinds["random"] += 1
+                time.sleep(rnd.uniform(0.2, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            if _aggregating_rounds(url, task_id):
+                inside_close += 1
             proc = _start(url, store, port, logf)
-            _wait_ready(base, proc, log_path)
-            c = Campaign(base=base, task_id=task_id, tokens=tokens, quorum=quorum)
-            threads = [threading.Thread(target=_worker, args=(c, i, lanes), daemon=True)
-                       for i in range(lanes)]
-            for t in threads:
-                t.start()
-            kinds = {"random": 0, "at_close": 0}
-            inside_close = 0
-            restarts: list[float] = []
-            t_start = time.time()
-            done = 0
-            for k in range(kills):
-                if budget_s is not None and time.time() - t_start > budget_s:
-                    break
-                if rnd.random() < at_close:
-                    kinds["at_close"] += 1
-                    c.quorum_hit.clear()
-                    c.quorum_hit.wait(timeout=30)
-                    time.sleep(rnd.uniform(0.0, 0.03))  # inside the close that follows
-                else:
-                    kinds["random"] += 1
-                    time.sleep(rnd.uniform(0.2, 1.5))
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                if _aggregating_rounds(url, task_id):
-                    inside_close += 1
-                proc = _start(url, store, port, logf)
-                restarts.append(_wait_ready(base, proc, log_path))
-                done += 1
-                if log:
-                    print(f"  {backend} kill {k + 1}/{kills}: {len(c.receipts)} receipts, "
-                          f"restart {restarts[-1]:.1f} s, inside a close so far {inside_close}; "
-                          f"{dict(sorted(c.counts.items()))}", flush=True)
-            time.sleep(1.0)  # some uploads after the last restart
-            c.stop.set()
-            for t in threads:
-                t.join(timeout=30)
-            settled = _wait_settled(base, task_id)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-            logf.close()
-            tracebacks = log_path.read_text(errors="replace").count("Traceback")
-            wall = time.time() - t_start
-            result = verify(url, store, task_id, c.receipts)
-        finally:
-            if drop is not None:
-                drop()
+            restarts.append(coordinator_process.wait_ready(base, proc, log_path))
+            done += 1
+            if log:
+                print(f"  {backend} kill {k + 1}/{kills}: {len(c.receipts)} receipts, "
+                      f"restart {restarts[-1]:.1f} s, inside a close so far {inside_close}; "
+                      f"{dict(sorted(c.counts.items()))}", flush=True)
+        time.sleep(1.0)  # some uploads after the last restart
+        c.stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        settled = _wait_settled(base, task_id)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        logf.close()
+        tracebacks = log_path.read_text(errors="replace").count("Traceback")
+        wall = time.time() - t_start
+        result = verify(url, store, task_id, c.receipts)
     return {"backend": backend, "kills": done, "kills_planned": kills, "kill_kinds": kinds,
             "kills_inside_a_close": inside_close, "devices": devices, "quorum": quorum,
             "load_threads": lanes, "scalars_per_upload": seeds, "wall_s": wall,

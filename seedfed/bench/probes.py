@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .core import run_worker
 
 MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
 LLAMA_CASE = "lora_r8"
@@ -33,17 +33,10 @@ TARGET_MEMORY = 1.10  # batched step peak / inference peak
 
 def _worker(case: str, ps: tuple[int, ...], repeats: int, threads: int | None, quick: bool,
             timeout: float = 7200) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "seedfed.bench.probes_worker", case,
-           "--p", ",".join(map(str, ps)), "--repeats", str(repeats),
-           "--threads", str(threads or 0)] + (["--quick"] if quick else [])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"probe benchmark worker {case} failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    args: list[object] = [case, "--p", ",".join(map(str, ps)), "--repeats", repeats,
+                          "--threads", threads or 0, *(["--quick"] if quick else [])]
+    return run_worker("seedfed.bench.probes_worker", args, f"probe benchmark worker {case}",
+                      timeout)
 
 
 def _row(results: list[dict[str, Any]], scope: str, mode: str, p: int) -> dict[str, Any] | None:

@@ -74,13 +74,50 @@ def get_round(session: Session, *, task_id: str, number: int) -> RoundRow:
     return row
 
 
+def _locked_task(s: Session, task_id: str) -> TaskRow:
+    """The task row as committed now (never the session's cached copy), locked against a
+    concurrent version move on PostgreSQL (FOR NO KEY UPDATE: a close's commit waits for this
+    unit of work; enrolment's foreign-key locks do not)."""
+    task = s.scalars(select(TaskRow).where(TaskRow.id == task_id)
+                     .with_for_update(key_share=True)
+                     .execution_options(populate_existing=True)).first()
+    if task is None:
+        raise NotFoundError(f"task {task_id!r} does not exist")
+    return task
+
+
+def _abandon(s: Session, row: RoundRow, current: int) -> None:
+    """Close a round planned at a base version the task has moved past (`current`): it can
+    never commit (its uploads were computed at that base), so it ends without a new version
+    and its uploads are refused from now on (the round is no longer open)."""
+    n = s.scalar(select(func.count()).select_from(UploadRow)
+                 .where(UploadRow.round_id == row.id)) or 0
+    logger.error("round %s of task %s was planned at v%s but the task is at v%s: abandoned "
+                 "without a new version (%d upload(s) not aggregated)", row.number, row.task_id,
+                 row.base_version, current, n)
+    row.state, row.closed_at, row.participants = RoundState.ABANDONED, utcnow(), 0
+
+
 def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
-    """Open the task's next round at its current version, or return the open one."""
+    """Open the task's next round at its committed version, or return the open one.
+
+    The latest round is read before the task row. A close moves the task's version and closes
+    its round in one commit, and each statement sees every commit before it (PostgreSQL's
+    READ COMMITTED; SQLite, where pysqlite begins no transaction before the first write), so a
+    round seen closed here has its version visible to the task read after it. (Reading the
+    task first let a close commit in between: round n + 1 opened at v(n - 1), which could
+    never commit and stayed `aggregating` for good.) The base is checked again after the
+    insert, inside the same unit of work; an open round planned at a stale base (from an
+    older coordinator) is abandoned and the next one planned at the committed version."""
+    abandoned: int | None = None
     with rt.state_lock, rt.transaction() as s:
-        task = get_task(s, task_id=task_id)
         last = _latest_round(s, task_id)
+        task = _locked_task(s, task_id)
         if last is not None and last.state == RoundState.OPEN:
-            return RoundPlan.model_validate_json(last.plan_json)
+            if last.base_version == task.current_version:
+                return RoundPlan.model_validate_json(last.plan_json)
+            _abandon(s, last, task.current_version)
+            abandoned = last.id
         if last is not None and last.state == RoundState.AGGREGATING:
             raise ConflictError(f"round {last.number} of task {task_id!r} is still aggregating")
         spec = spec_of(task)
@@ -101,7 +138,15 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
                        participants=0, upload_bytes=0)
         s.add(row)
         s.flush()
+        # After the insert this unit of work holds SQLite's write lock (PostgreSQL: the task
+        # row's), so no commit can come between this read and ours.
+        committed = s.scalar(select(TaskRow.current_version).where(TaskRow.id == task_id))
+        if committed != plan.version:
+            raise ConflictError(f"task {task_id!r} moved to v{committed} while round {number} "
+                                f"was being planned at v{plan.version}; retry")
         rt.rounds.opened(task_id, row.id, plan, round_cap_of(task))
+    if abandoned is not None:
+        rt.rounds.finished(abandoned)
     rt.metrics.rounds_opened.inc()
     return plan
 
@@ -116,7 +161,20 @@ def open_plan(rt: Runtime, *, task_id: str) -> tuple[int, RoundPlan] | None:
                                                RoundRow.state == RoundState.OPEN)).first()
         hit = None if row is None else (row.id, RoundPlan.model_validate_json(row.plan_json))
         cap = round_cap_of(task)
-    rt.rounds.found(task_id, hit, cap)
+    # Round transitions set the cache inside the state lock: one that came after the read
+    # above must be kept, never overwritten with what this older read saw (a round opened
+    # meanwhile, cached as "none open", refused every upload). This may run on the event
+    # loop (the upload path), so it waits for the lock only briefly (a transition or an
+    # upload batch holds it for one short unit of work); past that the read is answered
+    # without being cached, and the next miss reads again.
+    if not rt.state_lock.acquire(timeout=0.1):
+        return hit
+    try:
+        if rt.rounds.known(task_id):
+            return rt.rounds.plan(task_id)
+        rt.rounds.found(task_id, hit, cap)
+    finally:
+        rt.state_lock.release()
     return hit
 
 
@@ -200,6 +258,24 @@ def _expire_unaggregatable(rt: Runtime, task_id: str, round_id: int, number: int
                           "device within the bounds; it expired without a new version")
 
 
+def _abandon_stale(rt: Runtime, task_id: str, round_id: int) -> None:
+    """Abandon an `aggregating` round planned at a base the task has moved past: no close
+    can ever commit it, so it must not stay `aggregating` (refused at every start, the task
+    stuck). Raises the ConflictError that tells its closer (nothing left to retry)."""
+    with rt.state_lock, rt.transaction() as s:
+        r = s.get(RoundRow, round_id)
+        task = _locked_task(s, task_id)
+        assert r is not None
+        number, base, current = r.number, r.base_version, task.current_version
+        if r.state == RoundState.AGGREGATING and base != current:
+            _abandon(s, r, current)
+    rt.rounds.finished(round_id, keep_cap=True)
+    raise RoundClosedError(f"round {number} of task {task_id!r} was planned at v{base} but the "
+                           f"task is at v{current}: abandoned without a new version (its "
+                           "uploads are not aggregated); the next round opens at "
+                           f"v{current}")
+
+
 def _record_failure(rt: Runtime, task_id: str, round_id: int, exc: BaseException) -> None:
     """Note a failed close for the ticker's retry (exponential backoff) and the status pages."""
     prev = rt.close_failures.get(task_id)
@@ -260,8 +336,7 @@ def _finish_once(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
             uploads = _aggregable_uploads(s, round_id, plan)
             base, number, secret = row.base_version, row.number, task.secret
         if base != task.current_version:
-            raise ConflictError(f"round {number} was planned at v{base} but task {task_id!r} "
-                                f"is at v{task.current_version}")
+            _abandon_stale(rt, task_id, round_id)
         if not uploads:
             _expire_unaggregatable(rt, task_id, round_id, number)
         combined = combine(

@@ -29,7 +29,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..tensorfile import model_tensors, tensors_checksum
+from ..tensorfile import (
+    model_directory,
+    model_tensors,
+    recorded_checksum,
+    skeleton_parts,
+    tensors_checksum,
+)
 from .errors import QuantChecksumError, QuantFileError
 from .linear import QuantLinear
 from .model import _set_submodule, materialize_rest, quant_layers
@@ -45,11 +51,7 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
     layers = quant_layers(model)
     if not layers:
         raise QuantFileError(f"{type(model).__name__} has no QuantLinear layer; quantize it first")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(directory)
+    directory = model_directory(model, directory)
     tensors = model_tensors(model)
     meta = {
         "format": FORMAT,
@@ -78,15 +80,10 @@ def read_verified(path: str | Path, expected_format: str = FORMAT,
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise QuantFileError(f"{path}: not a readable safetensors file (truncated or "
                              f"corrupt?): {e}") from e
-    if meta.get("format") != expected_format:
-        raise QuantFileError(f"{path}: format is {meta.get('format')!r}, "
-                             f"expected {expected_format!r}")
+    recorded = recorded_checksum(path, meta, expected_format, QuantFileError)
     if meta.get("format_version") != FORMAT_VERSION:
         raise QuantFileError(f"{path}: format version {meta.get('format_version')!r} is not "
                              f"supported (this side reads {FORMAT_VERSION})")
-    recorded = meta.get("checksum")
-    if not recorded:
-        raise QuantFileError(f"{path}: no checksum in the metadata")
     got = tensors_checksum(tensors)
     if got != recorded:
         raise QuantChecksumError(f"{path}: tensors hash to {got[:16]}..., metadata says "
@@ -133,14 +130,7 @@ def _float_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def _skeleton(directory: Path, meta: Mapping[str, str], model_cls: Any) -> nn.Module:
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(directory)
-    if model_cls is None:
-        model_cls = getattr(transformers, meta.get("architecture", ""), None)
-        if model_cls is None:
-            raise QuantFileError(f"{directory}: unknown architecture {meta.get('architecture')!r}"
-                                 "; pass model_cls=")
+    config, model_cls = skeleton_parts(directory, meta, model_cls, QuantFileError)
     with torch.device("meta"):
         return model_cls(config)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..tensorfile import checksum_prefix, tensors_checksum
+from ..tensorfile import checksum_prefix, recorded_checksum, tensors_checksum
 from .errors import TernaryChecksumError, TernaryFormatError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -81,12 +81,7 @@ def read_tensors(path: str | Path, *, expected_format: str,
     with f:
         size = os.fstat(f.fileno()).st_size
         header, meta = _header(f, path, size)
-        if meta.get("format") != expected_format:
-            raise TernaryFormatError(f"{path}: format is {meta.get('format')!r}, "
-                                     f"expected {expected_format!r}")
-        recorded = meta.get("checksum")
-        if not recorded:
-            raise TernaryFormatError(f"{path}: no checksum in the metadata")
+        recorded = recorded_checksum(path, meta, expected_format, TernaryFormatError)
         base = f.tell()
         plan = [(name, *_entry(path, name, info, size - base)) for name, info in header.items()]
         h = hashlib.sha256()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..scopes import Scope
-from ..tensorfile import model_tensors
+from ..tensorfile import model_directory, model_tensors, skeleton_parts
 from .bitlinear import BitLinear, bitlinear_modules
 from .errors import TernaryFormatError
 from .io import read_tensors, write_tensors
@@ -90,11 +90,7 @@ def save_ternary_model(model: nn.Module, directory: str | Path, *, with_latents:
     layers = bitlinear_modules(model)
     if not layers:
         raise TernaryFormatError(f"{type(model).__name__} has no BitLinear layer; convert it")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(directory)
+    directory = model_directory(model, directory)
     tensors: dict[str, torch.Tensor] = {}
     for name, m in layers:
         tensors.update(layer_tensors(name, m, with_latents))
@@ -193,14 +189,7 @@ def _fill_layer(where: str | Path, name: str, m: BitLinear,
 
 
 def _skeleton(directory: Path, meta: Mapping[str, str], model_cls: Any) -> nn.Module:
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(directory)
-    if model_cls is None:
-        model_cls = getattr(transformers, meta.get("architecture", ""), None)
-        if model_cls is None:
-            raise TernaryFormatError(f"{directory}: unknown architecture "
-                                     f"{meta.get('architecture')!r}; pass model_cls=")
+    config, model_cls = skeleton_parts(directory, meta, model_cls, TernaryFormatError)
     with empty_init():
         return model_cls(config)
 

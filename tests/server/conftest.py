@@ -3,14 +3,19 @@ PostgreSQL (a fresh database per test session, dropped afterwards)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from seedfed.server.coordinator import Coordinator
+from seedfed.server.runtime import Runtime
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
 
@@ -36,6 +41,17 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@dataclass
+class ServedTask:
+    """A started app (its test `client` and runtime `rt`) serving one task (`task_id`, and
+    the `join` token devices enroll with); test modules extend it with their own data."""
+
+    client: TestClient
+    rt: Runtime
+    task_id: str
+    join: str
+
+
 def tiny_spec(model_path: Path, **over: object) -> TaskSpec:
     base: dict[str, object] = dict(
         model_path=str(model_path), num_labels=2, label_texts=("negative", "positive"),
@@ -50,13 +66,15 @@ def spec(tiny_bert: Path) -> TaskSpec:
     return tiny_spec(tiny_bert)
 
 
-@pytest.fixture(scope="session")
-def pg_server_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session. Unreachable PostgreSQL FAILS."""
+@contextlib.contextmanager
+def fresh_pg_database(prefix: str) -> Iterator[tuple[str, Any, str]]:
+    """A new PostgreSQL database `<prefix>_<random>`: yields (its URL, an AUTOCOMMIT engine
+    on the server, its name) and drops it afterwards, connections allowed again first (a test
+    may have refused them). Unreachable PostgreSQL FAILS the test."""
     import sqlalchemy as sa
 
     admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"seedfed_test_{secrets.token_hex(6)}"
+    name = f"{prefix}_{secrets.token_hex(6)}"
     try:
         with admin.connect() as c:
             c.execute(sa.text(f'CREATE DATABASE "{name}"'))
@@ -65,11 +83,19 @@ def pg_server_url() -> Iterator[str]:
                     "storage contract suite must run against it (set SEEDFED_TEST_PG)")
     url = sa.engine.make_url(PG_URL).set(database=name)
     try:
-        yield url.render_as_string(hide_password=False)
+        yield url.render_as_string(hide_password=False), admin, name
     finally:
         with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
             c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session. Unreachable PostgreSQL FAILS."""
+    with fresh_pg_database("seedfed_test") as (url, _, _):
+        yield url
 
 
 def _reset_pg(url: str) -> None:
@@ -104,6 +130,21 @@ def make_settings(url: str, store: Path, **over: object) -> Settings:
 @pytest.fixture
 def settings(sqlite_url: str, tmp_path: Path) -> Settings:
     return make_settings(sqlite_url, tmp_path / "store")
+
+
+@pytest.fixture
+def api_settings(sqlite_url: str, tmp_path: Path) -> Settings:
+    """The settings of the `client` fixture's app (a test module may override them)."""
+    return make_settings(sqlite_url, tmp_path / "store", tick_interval_s=0.05)
+
+
+@pytest.fixture
+def client(api_settings: Settings) -> Iterator[TestClient]:
+    """The coordinator's app, started (lifespan included), behind a test client."""
+    from seedfed.server.app import create_app
+
+    with TestClient(create_app(api_settings)) as c:
+        yield c
 
 
 @pytest.fixture

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 from fastapi.testclient import TestClient
 from safetensors.torch import load as st_load
 from seedfed.server.app import create_app
@@ -24,17 +22,6 @@ ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-@pytest.fixture
-def api_settings(sqlite_url: str, tmp_path: Path) -> Settings:
-    return make_settings(sqlite_url, tmp_path / "store", tick_interval_s=0.05)
-
-
-@pytest.fixture
-def client(api_settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(api_settings)) as c:
-        yield c
 
 
 def new_task(client: TestClient, spec: TaskSpec, **kw: object) -> tuple[str, str]:

@@ -12,23 +12,18 @@ import pytest
 from fastapi.testclient import TestClient
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
-from seedfed.server.runtime import Runtime
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
-from .conftest import make_settings, tiny_spec
+from .conftest import ServedTask, make_settings, tiny_spec
 from .test_api import ADMIN, bearer, enroll, g_for, new_task
 
 LIMIT = 8192
 
 
 @dataclass
-class World:
-    client: TestClient
-    rt: Runtime
-    task_id: str
-    join: str
+class World(ServedTask):
     plan: RoundPlan  # round 2, open, at version 1
     old_plan: RoundPlan  # round 1, closed
     device: tuple[str, str]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import sqlite3
 import subprocess
 import time
@@ -28,7 +27,7 @@ from seedfed.shared.replay import checksum, replay
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
 
-from .conftest import PG_URL, make_settings
+from .conftest import fresh_pg_database, make_settings
 
 ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 
@@ -138,23 +137,8 @@ def test_sqlite_locked_mid_round_answers_503_then_recovers(
 @pytest.fixture
 def pg_database() -> Iterator[tuple[str, object]]:
     """A database of its own (this test takes it away from everyone connected to it)."""
-    import sqlalchemy as sa
-
-    admin = sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"seedfed_fault_{secrets.token_hex(4)}"
-    try:
-        with admin.connect() as c:
-            c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.OperationalError as e:
-        pytest.fail(f"PostgreSQL at {PG_URL} is unreachable ({e.__class__.__name__})")
-    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    try:
+    with fresh_pg_database("seedfed_fault") as (url, admin, name):
         yield url, (admin, name)
-    finally:
-        with admin.connect() as c:
-            c.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.mark.postgres

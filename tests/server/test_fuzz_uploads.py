@@ -23,6 +23,7 @@ from seedfed.server.runtime import Runtime
 from seedfed.shared.wire import MAGIC, RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
+from ..strategies import mutate_fields
 from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN, bearer
 
@@ -82,23 +83,12 @@ def check(w: World, body: bytes, headers: dict[str, str]) -> None:
         assert stored(w) == before
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3), max_leaves=6)
-
-
 @st.composite
 def near_valid_json(draw: st.DrawFn, plan: RoundPlan) -> bytes:
     """A valid upload with some fields dropped, replaced by any JSON, or the text cut short."""
     g = np.zeros((plan.steps, plan.perturbations), dtype="<f4")
     doc = json.loads(Upload.build(plan, g, 3, 0.5).model_dump_json())
-    for key in list(doc):
-        choice = draw(st.integers(0, 5))
-        if choice == 0:
-            del doc[key]
-        elif choice == 1:
-            doc[key] = draw(json_values)
+    mutate_fields(draw, doc, one_in=6)
     if draw(st.integers(0, 3)) == 0:  # scalars of the right length but any bit pattern
         doc["scalars"] = base64.b64encode(draw(st.binary(min_size=4 * g.size,
                                                          max_size=4 * g.size))).decode()

@@ -21,22 +21,17 @@ from pydantic import BaseModel
 from seedfed.server.api.openapi import ErrorBody, install
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
-from seedfed.server.runtime import Runtime
 from seedfed.shared.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
-from .conftest import _reset_pg, make_settings, tiny_spec
+from .conftest import ServedTask, _reset_pg, make_settings, tiny_spec
 from .test_api import ADMIN, bearer
 
 BIG = 2**63  # the smallest integer neither SQLite nor PostgreSQL can bind
 
 
 @dataclass
-class World:
-    client: TestClient
-    rt: Runtime
-    task_id: str
-    join: str
+class World(ServedTask):
     token: str
     plan: RoundPlan
     spec: dict[str, Any]

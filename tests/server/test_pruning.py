@@ -21,16 +21,22 @@ from seedfed.server.errors import NotFoundError, StoreError
 from seedfed.server.settings import Settings
 from seedfed.shared.models import build_model
 from seedfed.shared.replay import checksum, replay
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.task import TaskSpec
 from seedfed.shared.ternary import TernaryScope, mask_config
 from seedfed.shared.wire import Upload
 from typer.testing import CliRunner
 
-from ..fleet_helpers import write_tiny_llama
 from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN
 from .test_storage_contract import Crash, _crash, run_round
-from .test_ternary_task import EPOCH_ROUNDS, OPTIONS, MasterView, packed_device
+from .test_ternary_task import (
+    EPOCH_ROUNDS,
+    MasterView,
+    master_scope,
+    packed_device,
+    play_round,
+    ternary_spec,
+)
 
 ROUNDS = 5
 
@@ -232,35 +238,20 @@ def test_crash_after_the_files_recovers_with_pruning_on(tmp_path: Path, tiny_ber
 def ternary(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None,
             ) -> Iterator[tuple[Settings, TaskSpec, str, list[MasterView], list[str]]]:
     root = tmp_path_factory.mktemp("ternary-pruned")
-    spec = TaskSpec(model_path=str(write_tiny_llama(root / "model")), model_kind="causal_lm",
-                    scope="ternary", format="ternary", scope_options=dict(OPTIONS),
-                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
+    spec = ternary_spec(root)
     settings = make_settings(f"sqlite:///{root / 'c.db'}", root / "store", keep_versions=2)
     config = mask_config(spec.scope_options)
     with Coordinator.open(settings) as coord:
         task_id = coord.create_task(spec, quorum=2)
         devices = [packed_device(spec, coord.enroll(task_id)[0], seed) for seed in (1, 2)]
-        masters = [MasterView.of(_scope(coord, task_id))]
+        masters = [MasterView.of(master_scope(coord, task_id))]
         for _ in range(ROUNDS):
-            plan = coord.open_round(task_id)
-            for d in devices:  # replay inside an epoch, the current snapshot across one
-                d.sync(coord, task_id, config)
-                assert d.trainer is not None
-                res = d.trainer.run(plan, d.batches(plan.round))
-                coord.submit(task_id, d.device_id,
-                             Upload.build(plan, res.scalars, res.num_examples, res.loss))
-            coord.close_round(task_id)
-            masters.append(MasterView.of(_scope(coord, task_id)))
+            play_round(coord, task_id, devices, config)
+            masters.append(MasterView.of(master_scope(coord, task_id)))
         for d in devices:
             d.sync(coord, task_id, config)
         finals = [checksum(d.scope) for d in devices if d.scope is not None]
     yield settings, spec, task_id, masters, finals
-
-
-def _scope(coord: Coordinator, task_id: str) -> TernaryScope:
-    scope = service.load_master(coord.rt, task_id=task_id).bundle.scope
-    assert isinstance(scope, TernaryScope)
-    return scope
 
 
 def test_ternary_task_with_pruning_keeps_v0_and_the_last_two(ternary: tuple) -> None:
@@ -281,7 +272,7 @@ def test_ternary_restart_and_rebuild_with_pruning(ternary: tuple) -> None:
 
     settings, spec, task_id, masters, _finals = ternary
     with Coordinator.open(settings) as coord:  # a restart loads v5's master, every latent
-        view = MasterView.of(_scope(coord, task_id))
+        view = MasterView.of(master_scope(coord, task_id))
         log = coord.log_since(task_id, 0)
     last = masters[-1]
     assert view.checksum == last.checksum and view.epoch == ROUNDS // EPOCH_ROUNDS

@@ -116,36 +116,50 @@ def packed_device(spec: TaskSpec, device_id: str, seed: int) -> Device:
     return Device(device_id, model, seed)
 
 
+def ternary_spec(root: Path) -> TaskSpec:
+    """The task: a tiny Llama (written under `root`) trained with the ternary scope."""
+    return TaskSpec(model_path=str(write_tiny_llama(root / "model")), model_kind="causal_lm",
+                    scope="ternary", format="ternary", scope_options=dict(OPTIONS),
+                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
+
+
+def play_round(coord: Coordinator, task_id: str, devices: list[Device], config: MaskConfig,
+               ) -> tuple[RoundPlan, LogEntryWire]:
+    """One round: open it, every device syncs (replay inside an epoch, the current snapshot
+    across one), trains and uploads, then close it."""
+    plan = coord.open_round(task_id)
+    for d in devices:
+        d.sync(coord, task_id, config)
+        assert d.trainer is not None
+        res = d.trainer.run(plan, d.batches(plan.round))
+        coord.submit(task_id, d.device_id,
+                     Upload.build(plan, res.scalars, res.num_examples, res.loss))
+    return plan, coord.close_round(task_id)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Run:
     root = tmp_path_factory.mktemp("ternary-task")
-    spec = TaskSpec(model_path=str(write_tiny_llama(root / "model")), model_kind="causal_lm",
-                    scope="ternary", format="ternary", scope_options=dict(OPTIONS),
-                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
+    spec = ternary_spec(root)
     settings = make_settings(f"sqlite:///{root / 'coordinator.db'}", root / "store")
     config = mask_config(spec.scope_options)
     plans, entries = [], []
     with Coordinator.open(settings) as coord:
         task_id = coord.create_task(spec, quorum=2)
         devices = [packed_device(spec, coord.enroll(task_id)[0], seed) for seed in (1, 2)]
-        masters = [MasterView.of(_master_scope(coord, task_id))]
+        masters = [MasterView.of(master_scope(coord, task_id))]
         for _ in range(ROUNDS):
-            plan = coord.open_round(task_id)
-            for d in devices:
-                d.sync(coord, task_id, config)
-                assert d.trainer is not None
-                res = d.trainer.run(plan, d.batches(plan.round))
-                coord.submit(task_id, d.device_id,
-                             Upload.build(plan, res.scalars, res.num_examples, res.loss))
-            entries.append(coord.close_round(task_id))
-            masters.append(MasterView.of(_master_scope(coord, task_id)))
+            plan, entry = play_round(coord, task_id, devices, config)
+            entries.append(entry)
+            masters.append(MasterView.of(master_scope(coord, task_id)))
             plans.append(plan)
         for d in devices:
             d.sync(coord, task_id, config)
     return Run(settings, spec, task_id, plans, entries, masters, devices)
 
 
-def _master_scope(coord: Coordinator, task_id: str) -> TernaryScope:
+def master_scope(coord: Coordinator, task_id: str) -> TernaryScope:
+    """The coordinator's ternary master scope of the task at its current version."""
     scope = service.load_master(coord.rt, task_id=task_id).bundle.scope
     assert isinstance(scope, TernaryScope)
     return scope
@@ -200,7 +214,7 @@ def test_published_snapshot_is_the_ternarized_coordinator_latents(run: Run) -> N
 def test_restarted_coordinator_reloads_the_current_master_with_full_latents(run: Run) -> None:
     # Act: a new Runtime on the same database and store
     with Coordinator.open(run.settings) as coord:
-        scope = _master_scope(coord, run.task_id)
+        scope = master_scope(coord, run.task_id)
         status = coord.task_status(run.task_id)
     # Assert
     view, last = MasterView.of(scope), run.masters[-1]
@@ -273,7 +287,7 @@ def test_crash_while_closing_an_epoch_start_recovers_the_same_version(
             coord.close_round(task_id)
     with Coordinator.open(settings) as coord:  # recover() finishes round 2
         log = coord.log_since(task_id, 0)
-        restored = _master_scope(coord, task_id)
+        restored = master_scope(coord, task_id)
     # Assert: the same bits as a rebuild from version 0 and the log
     scope = build_model(run.spec, initialize=True).scope
     assert isinstance(scope, TernaryScope)

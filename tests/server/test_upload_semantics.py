@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from seedfed.server import service
-from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 from seedfed.shared.wire import RoundPlan, Upload, pack_binary
@@ -23,13 +21,8 @@ from .test_api import ADMIN, bearer, enroll, g_for, new_task
 
 @pytest.fixture
 def api_settings(sqlite_url: str, tmp_path: Path) -> Settings:
+    """The `client` fixture's settings, with no tick: rounds close only when asked."""
     return make_settings(sqlite_url, tmp_path / "store", tick_interval_s=60)
-
-
-@pytest.fixture
-def client(api_settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(api_settings)) as c:
-        yield c
 
 
 def start(client: TestClient, spec: TaskSpec, devices: int, **kw: object

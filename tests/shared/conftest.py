@@ -1,18 +1,32 @@
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+M = TypeVar("M", bound=nn.Module)
 
-def tiny_llama(seed: int = 0, tie: bool = True) -> LlamaForCausalLM:
-    """A 2-layer Llama small enough for property tests; weights from an explicit generator."""
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
-    model = LlamaForCausalLM(cfg).eval()
+
+def random_weights(model: M, seed: int, skip: Callable[[str], bool] = lambda _: False) -> M:
+    """`model` (in eval mode) with every parameter whose name `skip` refuses drawn as
+    N(0, 0.05^2) from an explicit generator, in parameter order."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+        for name, p in model.named_parameters():
+            if not skip(name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def tiny_llama(seed: int = 0, tie: bool = True, **config: Any) -> LlamaForCausalLM:
+    """A 2-layer Llama small enough for property tests; weights from an explicit generator.
+    `config` overrides LlamaConfig fields."""
+    cfg = LlamaConfig(**{"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, **config}, tie_word_embeddings=tie)
+    return random_weights(LlamaForCausalLM(cfg), seed)
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ from seedfed.shared.wire import (
     unpack_binary,
 )
 
+from ..strategies import json_values, mutate_fields
+
 FUZZ = settings(max_examples=300, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 DECODE_ERRORS = (WireFormatError, NonFiniteScalarError)
@@ -69,23 +71,12 @@ def test_decode_scalars_returns_the_shape_or_a_typed_error(text: str,
     assert m.shape == shape and m.dtype == np.float32 and np.isfinite(m).all()
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=3), max_leaves=8)
-
-
 def upload_like(draw: st.DrawFn) -> bytes:
     """A JSON document near a valid Upload: each field kept, dropped or replaced."""
     fields: dict[str, object] = {"task_id": "t", "round": 1, "version": 0, "shape": [1, 2],
                                  "scalars": encode_scalars(np.zeros((1, 2))),
                                  "num_examples": 3, "loss": 0.5}
-    for k in list(fields):
-        choice = draw(st.integers(0, 3))
-        if choice == 1:
-            del fields[k]
-        elif choice == 2:
-            fields[k] = draw(json_values)
+    mutate_fields(draw, fields, one_in=4)
     if draw(st.booleans()):
         fields[draw(st.text(max_size=6))] = draw(json_values)
     text = json.dumps(fields)

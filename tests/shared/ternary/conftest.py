@@ -2,33 +2,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BitNetConfig, BitNetForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import BitNetConfig, BitNetForCausalLM, LlamaForCausalLM
+
+from ..conftest import random_weights
+from ..conftest import tiny_llama as shared_tiny_llama
 
 
 def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
     """A 2-layer Llama with weights from an explicit generator (the fp32 latents to convert)."""
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
-                      max_position_embeddings=32)
-    model = LlamaForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+    return shared_tiny_llama(seed, tie, vocab_size=64, intermediate_size=48,
+                             max_position_embeddings=32)
 
 
 def tiny_bitnet(seed: int = 0) -> BitNetForCausalLM:
     cfg = BitNetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                        bos_token_id=0, eos_token_id=1)
-    model = BitNetForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+    return random_weights(BitNetForCausalLM(cfg), seed, skip=lambda name: "norm" in name)
 
 
 @pytest.fixture
