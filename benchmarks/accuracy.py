@@ -110,7 +110,7 @@ def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eva
     config = SimulationConfig(
         out=out_dir, devices=fleet.devices, rounds=n_rounds, model=model, data=str(fleet.data),
         alpha=fleet.alpha, scope="head", format=spec.format, seed=fleet.seed,
-        devices_per_round=recipe.per_round,
+        devices_per_round=min(recipe.per_round, fleet.devices),
         eval_size=fleet.test_size, engine="inprocess", pool=fleet.pool,
         eval_every=eval_every, sync_after_round=False,
         eval_on_validation=fleet.on_validation)
@@ -122,7 +122,8 @@ def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eva
                   wall_seconds=report.wall_seconds,
                   extra={"scope": spec.scope, "format": spec.format,
                          "scope_numel": report.scope_numel, "rounds": n_rounds,
-                         "devices_per_round": recipe.per_round, "hyper": asdict(h),
+                         "devices_per_round": min(recipe.per_round, fleet.devices),
+                         "hyper": asdict(h),
                          "final_checksum": report.final_checksum})
     elapsed = 0.0
     curve.points.append({"round": 0, "seconds": 0.0, "accuracy": report.initial_accuracy or 0})
@@ -148,12 +149,16 @@ def zero_shot(spec: TaskSpec, test: Examples) -> Curve:
 
 
 def probe(spec: TaskSpec, union: Examples, test: Examples) -> Curve:
-    """Logistic regression (full-batch Adam) on the frozen sentence embeddings of the pool."""
+    """Logistic regression (full-batch Adam) on the frozen sentence embeddings of the pool
+    (a sentence-transformers model's mean-pooled embedding: `MeanPoolClassifier.embed`)."""
     from seedfed.client.data import tokenize
 
     started = time.perf_counter()
     bundle = _bundle(spec)
     model: Any = bundle.model
+    if not hasattr(model, "embed"):
+        raise SystemExit(f"method probe needs a mean-pooling sentence model, not "
+                         f"{type(model).__name__}")
     with torch.no_grad():
         feats = torch.cat([model.embed(**tokenize(bundle.tokenizer, union.texts[i:i + 128],
                                                   None, spec.max_seq_len))
@@ -176,6 +181,26 @@ def probe(spec: TaskSpec, union: Examples, test: Examples) -> Curve:
     return c
 
 
+def _adamw_step(bundle: ModelBundle, opt: torch.optim.Optimizer, batch: dict[str, Any],
+                curve: Curve) -> None:
+    """One backprop + AdamW step on a batch, counted in the curve."""
+    loss = classification_loss(bundle.model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    curve.model_calls += 1
+    curve.example_forwards += int(batch["labels"].shape[0])
+
+
+def _score(curve: Curve, bundle: ModelBundle, test: Examples, done: int, total: int,
+           started: float) -> None:
+    with torch.no_grad():
+        acc = accuracy(bundle, test).accuracy
+    curve.points.append({"round": done, "seconds": time.perf_counter() - started,
+                         "accuracy": acc})
+    _log(f"  {curve.method} {done}/{total}: {acc:.4f}")
+
+
 def fo_full(spec: TaskSpec, union: Examples, test: Examples, epochs: int, lr: float,
             batch: int, seed: int) -> Curve:
     """Centralized first-order fine-tune of the whole model (AdamW): the ceiling."""
@@ -191,19 +216,9 @@ def fo_full(spec: TaskSpec, union: Examples, test: Examples, epochs: int, lr: fl
     c = Curve("fo_full", extra={"epochs": epochs, "lr": lr, "batch_size": batch})
     bundle.model.eval()  # dropout off, as in the ZO runs
     for step in range(steps):
-        b = next(stream)
-        loss = classification_loss(bundle.model, b)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        c.model_calls += 1
-        c.example_forwards += int(b["labels"].shape[0])
+        _adamw_step(bundle, opt, next(stream), c)
         if (step + 1) % max(1, steps // 4) == 0 or step + 1 == steps:
-            with torch.no_grad():
-                acc = accuracy(bundle, test).accuracy
-            c.points.append({"round": step + 1, "seconds": time.perf_counter() - started,
-                             "accuracy": acc})
-            _log(f"  fo_full step {step + 1}/{steps}: {acc:.4f}")
+            _score(c, bundle, test, step + 1, steps, started)
     c.final_accuracy = c.points[-1]["accuracy"]
     c.wall_seconds = time.perf_counter() - started
     return c
@@ -232,13 +247,7 @@ def fedavg_fo_lora(spec: TaskSpec, train_sets: list[Examples], test: Examples, r
                 p.requires_grad_(True)
             opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
             for _ in range(local_steps):
-                b = next(streams[d])
-                loss = classification_loss(bundle.model, b)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                c.model_calls += 1
-                c.example_forwards += int(b["labels"].shape[0])
+                _adamw_step(bundle, opt, next(streams[d]), c)
             for p in params:
                 p.requires_grad_(False)
                 p.grad = None
@@ -247,10 +256,7 @@ def fedavg_fo_lora(spec: TaskSpec, train_sets: list[Examples], test: Examples, r
             total += len(data)
         scope.write({n: v / total for n, v in summed.items()})
         if (r + 1) % max(1, rounds // 4) == 0 or r + 1 == rounds:
-            acc = accuracy(bundle, test).accuracy
-            c.points.append({"round": r + 1, "seconds": time.perf_counter() - started,
-                             "accuracy": acc})
-            _log(f"  fedavg_fo_lora round {r + 1}/{rounds}: {acc:.4f}")
+            _score(c, bundle, test, r + 1, rounds, started)
     c.final_accuracy = c.points[-1]["accuracy"]
     c.wall_seconds = time.perf_counter() - started
     return c
