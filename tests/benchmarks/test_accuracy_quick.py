@@ -5,29 +5,21 @@ counts that follow from the settings. The MiniLM figures are the full run's (doc
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
+from tests.scripts_loader import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_accuracy", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/accuracy.py", "bench_accuracy")
 
 
 def test_every_method_runs_and_reports_its_budget(bench: ModuleType, tmp_path: Path) -> None:

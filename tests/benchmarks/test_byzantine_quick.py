@@ -4,25 +4,19 @@ median is not. The MiniLM figures are the full run's (docs/reliability.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "byzantine.py"
+from tests.scripts_loader import load_script
+
 
 
 @pytest.fixture(scope="module")
 def byzantine() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_byzantine", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_byzantine"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/byzantine.py", "bench_byzantine")
 
 
 def test_robust_rule_bounds_what_the_mean_does_not(byzantine: ModuleType,

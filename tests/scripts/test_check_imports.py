@@ -3,22 +3,19 @@ the checker sees function-level imports."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_imports.py"
 
 
 def _checker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_imports", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/check_imports.py", "check_imports")
 
 
 def test_the_tree_has_no_import_cycle_and_no_client_server_import() -> None:

@@ -6,8 +6,6 @@ document (a status left out, a field's type changed) makes the same fuzzing fail
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,18 +14,14 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.scripts_loader import load_script
+
 REQUESTS = 600  # ~30 s of fuzzing on the 2-core CI machine
 LOG = "/v1/tasks/{task_id}/log"
 
 
 def _load_fuzz() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
-    spec = importlib.util.spec_from_file_location("seedfed_bench_fuzz", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/fuzz.py", "seedfed_bench_fuzz")
 
 
 fuzz = _load_fuzz()
