@@ -13,7 +13,6 @@ import pytest
 from tests.scripts_loader import load_script
 
 
-
 @pytest.fixture(scope="module")
 def byzantine() -> ModuleType:
     return load_script("benchmarks/byzantine.py", "bench_byzantine")
