@@ -12,7 +12,7 @@ export FLWR_DISABLE_UPDATE_CHECK=1
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench deploy-check arm-check
 
 # The marker is rebuilt when the dependency list changes, so a stale venv is not reused.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -40,3 +40,11 @@ lint: install
 
 bench: install
 	$(BIN)/seedfed bench core --json runs/bench-core.json
+
+# Deployment, proven (docs/deploy.md); both need root. deploy-check: the images built from
+# scratch, deploy/compose.yaml up, two rounds, a restart. arm-check: the device under aarch64.
+deploy-check: install
+	bash deploy/check.sh
+
+arm-check: install
+	bash deploy/arm-check.sh

@@ -4,7 +4,10 @@ pyproject.toml holds the metadata; this file only maps folders to import names, 
 `package-dir` table cannot list the sub-packages of each side without repeating them.
 """
 
-from setuptools import find_packages, setup
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 ROOTS = {
     "seedfed": "seedfed",
@@ -22,4 +25,34 @@ def _packages() -> list[str]:
     return found
 
 
-setup(packages=_packages(), package_dir=ROOTS)
+#: The perturbation stream's C kernel (Philox + fused multi-seed adds), loaded with ctypes by
+#: shared/zkernel.py. No Python.h needed; -ffp-contract=off and no -ffast-math keep every
+#: addition one IEEE float32 addition (the replay contract).
+ZKERNEL = Extension(
+    "seedfed.shared._zkernel",
+    sources=["shared/_zkernel.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"],
+)
+
+
+class OptionalBuildExt(build_ext):
+    """The kernel is optional: without a working C compiler the package installs and
+    stream.py runs its numpy path (same bits, slower)."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as e:  # noqa: BLE001 - any compiler failure means "no kernel"
+            print(f"seedfed: C stream kernel not built ({e}); using the numpy path",
+                  file=sys.stderr)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001
+            print(f"seedfed: C stream kernel not built ({e}); using the numpy path",
+                  file=sys.stderr)
+
+
+setup(packages=_packages(), package_dir=ROOTS, ext_modules=[ZKERNEL],
+      cmdclass={"build_ext": OptionalBuildExt})

@@ -11,9 +11,12 @@ devices hold (`DeviceData` partitions of the same pool):
 - probe:          first-order linear probe (logistic regression) on the frozen embeddings.
 - fo_full:        first-order full fine-tune, centralized (AdamW on the whole model): the ceiling.
 - fedavg_fo_lora: first-order FedAvg of LoRA (each device backprop + AdamW, weights averaged).
-- fed_zo_head, fed_zo_head_int8, fed_zo_head_int4: federated ZO of the recipe (client.recipes)
-                  on the fp32, int8 and int4 shared model. (No body recipe yet: the body scopes
-                  measured so far do not beat the head under ZO; docs/accuracy.md.)
+- fed_zo_head, fed_zo_head_int8, fed_zo_head_int4: federated ZO of the head recipe
+                  (client.recipes) on the fp32, int8 and int4 shared model.
+- fed_zo_body, fed_zo_body_int8, fed_zo_body_int4: the body recipe (`sst2_recipe(scope="body")`:
+                  LoRA on the top layer's FFN output beside the head, per-tensor step scales)
+                  on the fp32, int8 and int4 shared model (float adapters over quantized base
+                  weights). It does not beat the head recipe yet: docs/accuracy.md.
 
     python benchmarks/accuracy.py --data PATH/sst2/train.tsv --repeats 3     # everything
     python benchmarks/accuracy.py --data ... --methods zero_shot,fed_zo_head --rounds 20   # a look
@@ -45,7 +48,8 @@ from seedfed.client.trainer import classification_loss
 from seedfed.shared.models import ModelBundle, build_model
 from seedfed.shared.task import TaskSpec
 
-ZO_METHODS = ("fed_zo_head", "fed_zo_head_int8", "fed_zo_head_int4")
+ZO_METHODS = ("fed_zo_head", "fed_zo_head_int8", "fed_zo_head_int4",
+              "fed_zo_body", "fed_zo_body_int8", "fed_zo_body_int4")
 FO_METHODS = ("zero_shot", "probe", "fo_full", "fedavg_fo_lora")
 ALL_METHODS = FO_METHODS + ZO_METHODS
 
@@ -94,9 +98,13 @@ def _log(msg: str) -> None:
 
 
 # -- federated ZO: seedfed simulate, in process --------------------------------------------------
+def _zo_scope(method: str) -> str:
+    return "body" if method.startswith("fed_zo_body") else "head"
+
+
 def _zo_recipe(method: str, model: str | None) -> recipes.Recipe:
     fmt = method.rsplit("_", 1)[1] if method.endswith(("int8", "int4")) else "fp32"
-    return recipes.sst2_recipe(model, fmt=fmt)
+    return recipes.sst2_recipe(model, fmt=fmt, scope=_zo_scope(method))
 
 
 def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eval_every: int,
@@ -109,7 +117,7 @@ def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eva
     n_rounds = rounds or recipe.rounds
     config = SimulationConfig(
         out=out_dir, devices=fleet.devices, rounds=n_rounds, model=model, data=str(fleet.data),
-        alpha=fleet.alpha, scope="head", format=spec.format, seed=fleet.seed,
+        alpha=fleet.alpha, scope=_zo_scope(method), format=spec.format, seed=fleet.seed,
         devices_per_round=min(recipe.per_round, fleet.devices),
         eval_size=fleet.test_size, engine="inprocess", pool=fleet.pool,
         eval_every=eval_every, sync_after_round=False,

@@ -314,6 +314,15 @@ class ZoRun:
     rank: int = 16
     per_round: int = 20
     eval_every: int = 50
+    #: Block seeds: seed j perturbs only block j % blocks (block 0 the head, 1 the body), so
+    #: the body's directions never enter the head's scalars; each block steps lr / (its seeds).
+    blocks: int = 1
+
+
+#: Scopes at the top of layer 5 whose probes start from a cached pre-LayerNorm state.
+CHEAP_TOP = ("ln5out", "ffo5", "lora5")
+#: peft's LoRA scaling alpha / r of the lora5 scope (alpha 16, r 8).
+LORA_SCALE = 2.0
 
 
 class ZoProblem:
@@ -327,8 +336,12 @@ class ZoProblem:
         shapes = [self.params[n].shape for n in self.names]
         if self.rank:
             g = torch.Generator().manual_seed(12345)
-            # A frozen (LoRA-FA), Kaiming-uniform-like; B in the scope, starts at 0
+            # A Kaiming-uniform-like (frozen in ffo5: LoRA-FA; trained in lora5); B starts at 0
             self.A = (torch.rand(1536, self.rank, generator=g) * 2 - 1) / math.sqrt(1536)
+            if run.scope == "lora5":
+                self.params["5.A"] = self.A
+                self.names = self.names + ["5.A"]
+                shapes.append(torch.Size((1536, self.rank)))
             self.params["5.B"] = torch.zeros(self.rank, 384)
             self.names = self.names + ["5.B"]
             shapes.append(torch.Size((self.rank, 384)))
@@ -351,17 +364,21 @@ class ZoProblem:
 
     def prepare(self, split: Split, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         """What every probe of a batch shares (the states below the lowest perturbed op).
-        Top-of-layer-5 scopes keep only real tokens (packed) and pool with a [B, tokens]
-        averaging matrix, so padding costs nothing."""
-        if self.run.scope in ("ln5out", "ffo5") and len(idx) > 32:
+        Top-of-layer-5 scopes keep only real tokens (packed) and pool by segment sums, so
+        padding costs nothing."""
+        if self.run.scope in CHEAP_TOP and len(idx) > 32:
             # length-sorted chunks (a device pads only its own batch): pack each, then join
             order = torch.argsort(split.lengths[idx])
             chunks = [self.prepare(split, idx[order[s:s + 32]]) for s in range(0, len(idx), 32)]
-            inv = torch.argsort(order)
-            m = torch.block_diag(*[c["M"] for c in chunks])[inv]
-            prep = {"pre": torch.cat([c["pre"] for c in chunks]), "M": m}
-            if self.rank:
-                prep["uA"] = torch.cat([c["uA"] for c in chunks])
+            # token -> its sentence's row in idx order (chunk rows are sorted positions)
+            seg = order[torch.cat([c["seg"] + s for c, s in
+                                   zip(chunks, range(0, len(idx), 32), strict=True)])]
+            prep = {"pre": torch.cat([c["pre"] for c in chunks]), "seg": seg,
+                    "w": torch.cat([c["w"] for c in chunks]),
+                    "rows": torch.tensor(len(idx))}
+            for key in ("uA", "u"):
+                if key in chunks[0]:
+                    prep[key] = torch.cat([c[key] for c in chunks])
             return prep
         h, mask = split.batch(idx, self.start)
         prep = {"mask": mask}
@@ -371,20 +388,22 @@ class ZoProblem:
             return prep
         p = self.params
         madd = ((1.0 - mask) * torch.finfo(h.dtype).min)[:, None, None, :]
-        if self.run.scope in ("ln5out", "ffo5"):
+        if self.run.scope in CHEAP_TOP:
             with torch.no_grad():
                 a = attention(p, 5, h, madd)
                 u = ffn_pre(p, 5, a)
                 pre = F.linear(u, p["5.output.dense.weight"], p["5.output.dense.bias"]) + a
             sel = mask.bool()
             prep["pre"] = pre[sel]
-            if self.rank:
+            if "5.A" in self.names:
+                prep["u"] = u[sel]
+            elif self.rank:
                 prep["uA"] = u[sel] @ self.A
             b, t = mask.shape
             bidx = torch.arange(b)[:, None].expand(b, t)[sel]
-            m = torch.zeros(b, int(sel.sum()))
-            m[bidx, torch.arange(m.shape[1])] = 1.0 / mask.sum(1)[bidx]
-            prep["M"] = m
+            # mean pooling as a segment sum: token weight 1 / its sentence's length
+            prep["seg"], prep["w"] = bidx, 1.0 / mask.sum(1)[bidx]
+            prep["rows"] = torch.tensor(b)
         else:
             prep["h"], prep["madd"] = h, madd
         return prep
@@ -404,7 +423,10 @@ class ZoProblem:
         if "pooled" in prep:
             return torch.einsum("nd,kcd->knc", prep["pooled"], w) + b[:, None, :]
         x = prep["pre"].expand(thetas.shape[0], -1, -1)
-        if self.rank:
+        if "u" in prep:  # LoRA with A trained: (u A_k) B_k per probe, u cached
+            ua = torch.einsum("tu,kur->ktr", prep["u"], self.part(thetas, "5.A"))
+            x = x + LORA_SCALE * torch.einsum("ktr,kro->kto", ua, self.part(thetas, "5.B"))
+        elif self.rank:
             x = x + torch.einsum("tr,kro->kto", prep["uA"], self.part(thetas, "5.B"))
         if "5.output.dense.bias" in self.names:
             x = x + (self.part(thetas, "5.output.dense.bias")
@@ -412,9 +434,16 @@ class ZoProblem:
         mu = x.mean(-1, keepdim=True)
         var = x.var(-1, unbiased=False, keepdim=True)
         x = (x - mu) * torch.rsqrt(var + LN_EPS)
-        x = x * self.part(thetas, "5.output.LayerNorm.weight")[:, None, :] \
-            + self.part(thetas, "5.output.LayerNorm.bias")[:, None, :]
-        pooled = F.normalize(torch.einsum("bt,kto->kbo", prep["M"], x), dim=-1)
+        if "5.output.LayerNorm.weight" in self.names:
+            x = x * self.part(thetas, "5.output.LayerNorm.weight")[:, None, :] \
+                + self.part(thetas, "5.output.LayerNorm.bias")[:, None, :]
+        else:
+            x = x * self.params["5.output.LayerNorm.weight"] \
+                + self.params["5.output.LayerNorm.bias"]
+        k = x.shape[0]
+        sums = x.new_zeros(k, int(prep["rows"]), x.shape[-1])
+        pooled = F.normalize(sums.index_add_(1, prep["seg"], x * prep["w"][None, :, None]),
+                             dim=-1)
         return torch.einsum("kbd,kcd->kbc", pooled, w) + b[:, None, :]
 
     def losses(self, thetas: torch.Tensor, prep: dict[str, torch.Tensor], y: torch.Tensor
@@ -493,6 +522,12 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
         y = pool.y[idx_t]
         z = (torch.randint(0, 2, (run.perturbations, prob.numel), generator=gen) * 2 - 1
              ).float()
+        per_coord = float(run.perturbations)
+        if run.blocks > 1:
+            body = (prob.scale != run.c_head).float()  # 1 on body coordinates
+            block = torch.arange(run.perturbations) % run.blocks
+            z = z * torch.where(block[:, None] == 0, 1 - body, body)
+            per_coord = run.perturbations / run.blocks
         lp = prob.losses(theta(phi + run.eps * z), prep, y)  # [P, N]
         lm = prob.losses(theta(phi - run.eps * z), prep, y)
         diff = ((lp - lm) / (2 * run.eps)).double()
@@ -504,7 +539,7 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
             g += n_k[d] * diff[:, sel].mean(1)
             wsum += float(n_k[d])
         g /= wsum
-        phi = phi - (run.lr / run.perturbations) * (g.float() @ z)
+        phi = phi - (run.lr / per_coord) * (g.float() @ z)
         if (r + 1) % run.eval_every == 0 or r + 1 == run.rounds:
             curve.append((r + 1, prob.accuracy(theta(phi), ev)))
             print(f"    {run.scope} c {run.c_body:g} lr {run.lr:g} round {r + 1}: {eval_split} "
@@ -579,6 +614,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--per-round", type=int, default=20)
+    ap.add_argument("--blocks", type=int, default=1, help="block seeds (2: head / body)")
+    ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fo-batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=1)
@@ -608,7 +645,7 @@ def main() -> None:
                 for c in args.c_body:
                     run = ZoRun(args.scope, lr, eps, args.perturbations, args.rounds,
                                 args.batch, c, 1.0, args.rank, args.per_round,
-                                max(1, args.rounds // 6))
+                                args.eval_every, args.blocks)
                     res = [zo_run(cache, run, s, split, head, args.save_head)
                            for s in range(args.seeds)]
                     accs = [r["final"] for r in res]

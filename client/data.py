@@ -16,10 +16,12 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch loads only where a batch becomes tensors (`tokenize`): a device on
+    import torch  # an inference engine (seedfed.client.ort) reads, splits and samples without it
 
 #: Header names accepted for the text column, in order of preference.
 TEXT_COLUMNS: tuple[str, ...] = ("sentence", "text")
@@ -192,6 +194,8 @@ def dirichlet_partition(labels: np.ndarray, n_devices: int, alpha: float,
 def tokenize(tokenizer: Any, texts: Sequence[str], labels: np.ndarray | None,
              max_len: int) -> dict[str, torch.Tensor]:
     """One padded batch (padding to the longest text, truncated at max_len)."""
+    import torch
+
     enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_len,
                     return_tensors="pt")
     batch = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask",
@@ -205,17 +209,23 @@ def train_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: 
                   rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
     """Endless shuffled batches: each epoch is a fresh permutation from `rng`; a device with
     fewer examples than `batch_size` yields its whole set each time."""
-    if len(examples) == 0:
+    for idx in batch_indices(len(examples), batch_size, rng):
+        yield tokenize(tokenizer, [examples.texts[i] for i in idx], examples.labels[idx],
+                       max_len)
+
+
+def batch_indices(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The example indices of `train_batches`' batches, endlessly: each epoch a fresh
+    permutation from `rng`, cut into whole batches (every backend samples with this)."""
+    if n == 0:
         raise ValueError("cannot draw batches from an empty example set")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    size = min(batch_size, len(examples))
+    size = min(batch_size, n)
     while True:
-        order = rng.permutation(len(examples))
+        order = rng.permutation(n)
         for start in range(0, len(order) - size + 1, size):
-            idx = order[start:start + size]
-            yield tokenize(tokenizer, [examples.texts[i] for i in idx], examples.labels[idx],
-                           max_len)
+            yield order[start:start + size]
 
 
 def lm_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: int,

@@ -15,6 +15,11 @@ is float32 values (every scope but ternary: full, LoRA, named, a quantized model
 `client.ternary.PackedTernary`, a ternary task's packed model. Either way a device ends every
 sync on the checksum the coordinator published, or raises and stops trusting what it holds
 (`invalidate`): the next sync then needs a snapshot.
+
+A device may also keep a personal part (`client.personal`, `Device(personal=...)`): a small
+head of its own, trained after each round's shared steps on its own data and stored with its
+state (`StoredState.personal`), added on top of whatever shared version it syncs to. It is
+never part of an upload; a stored one that does not fit is rebuilt, the shared state untouched.
 """
 
 from __future__ import annotations
@@ -22,16 +27,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 from seedfed.client import data as data_mod
 from seedfed.client.device_data import DeviceData, local_accuracy
+from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalScores
 from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
 from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary, is_ternary
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.errors import ChecksumMismatchError, LogEntryMismatchError, SeedfedError
+from seedfed.shared.errors import (
+    ChecksumMismatchError,
+    LogEntryMismatchError,
+    ScopeError,
+    SeedfedError,
+)
 from seedfed.shared.models import ModelBundle, build_model
 from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.task import TaskSpec
@@ -62,6 +73,8 @@ class StoredState:
     snapshot: bytes | None = None
     snapshot_version: int | None = None
     snapshot_checksum: str = ""
+    #: The device's personal part (client.personal safetensors): kept on the device only.
+    personal: bytes | None = None
 
 
 class StateStore(Protocol):
@@ -161,11 +174,24 @@ def _stored_packed(packed: PackedTernary, task_id: str) -> StoredState:
 class Device:
     """One device of one task: its model, where its state persists, and what it does."""
 
-    def __init__(self, spec: TaskSpec, task_id: str, store: StateStore | None = None) -> None:
+    def __init__(self, spec: TaskSpec, task_id: str, store: StateStore | None = None,
+                 personal: PersonalConfig | None = None) -> None:
         self.spec, self.task_id = spec, task_id
         self.model: Fp32Model | PackedTernary = (
             PackedTernary(spec) if is_ternary(spec) else Fp32Model(spec))
         self.store: StateStore = store or MemoryStore()
+        # Built now, before any snapshot: it keeps the prototype head as the local-only start.
+        # A ternary task (a causal LM) has no class head to personalize.
+        self.personal: PersonalPart | None = None
+        if personal is not None and personal.enabled and isinstance(self.model, Fp32Model):
+            try:
+                self.personal = PersonalPart(personal, self.model.bundle, task_id)
+            except ScopeError as e:  # a model without a class head: nothing to personalize
+                log.warning("task %s: no personal part (%s)", task_id, e)
+        # The store the personal part was last read from: an adapter that serves several
+        # virtual devices with one Device (a simulation's Flower actor) swaps the store per
+        # message, and the personal part must follow it like the shared state does.
+        self._personal_from: StateStore | None = None
 
     @property
     def version(self) -> int | None:
@@ -213,6 +239,7 @@ class Device:
                                    f"{e}") from e
         if stored is None or stored.task_id != self.task_id:
             return False
+        self._follow_store(stored)
         if (self.version, self.checksum) == (stored.version, stored.checksum):
             return True
         try:
@@ -226,9 +253,26 @@ class Device:
                                    f"is unusable: {e}") from e
         return True
 
+    def _follow_store(self, stored: StoredState | None = None, *, read: bool = False) -> None:
+        """Bring the personal part of the current store in (once per store). It is checked
+        on its own: a refused personal state is rebuilt, the shared state stays as it is."""
+        if self.personal is None or self._personal_from is self.store:
+            return
+        if read:
+            try:
+                stored = self.store.load()
+            except (SeedfedError, OSError, KeyError, ValueError):
+                stored = None  # resume() reports an unreadable store; nothing personal here
+        self.personal.reset()
+        if stored is not None and stored.task_id == self.task_id:
+            self.personal.restore(stored.personal)
+        self._personal_from = self.store
+
     def load_snapshot(self, data: bytes, version: int, checksum: str,
                       fmt: str = FP32) -> SyncResult:
-        """Load a snapshot of `version` (verified against `checksum`) and store the result."""
+        """Load a snapshot of `version` (verified against `checksum`) and store the result;
+        the personal part is kept (it applies on top of any shared version)."""
+        self._follow_store(read=True)
         if fmt != self.snapshot_format:
             raise DeviceStateError(f"task {self.task_id} devices load {self.snapshot_format} "
                                    f"snapshots, not {fmt}")
@@ -241,6 +285,7 @@ class Device:
              fetch: Fetch | None = None) -> SyncResult:
         """Reach `target`: nothing to do, replay `entries` (inside a mask epoch, for a ternary
         task), else load the snapshot `fetch()` downloads; without `fetch` that raises."""
+        self._follow_store(read=True)
         if self.version == target:
             return SyncResult(target, self.checksum, "none")
         with self._trusted_only():
@@ -261,8 +306,19 @@ class Device:
     def _save(self) -> None:
         if isinstance(self.model, PackedTernary):
             self.store.save(_stored_packed(self.model, self.task_id))
-        else:
-            self.store.save(self.model.stored(self.task_id))
+            return
+        stored = self.model.stored(self.task_id)
+        if self.personal is not None:
+            stored = replace(stored, personal=self.personal.to_bytes())
+        self.store.save(stored)
+
+    def reset_personal(self) -> None:
+        """Forget the personal part (a device owner's reset); the shared state stays."""
+        if self.personal is not None:
+            self._follow_store(read=True)
+            self.personal.reset()
+            if self.version is not None:
+                self._save()
 
     # -- a round ---------------------------------------------------------------------------------
     def train(self, plan: RoundPlan, examples: data_mod.Examples, data: DeviceData) -> Trained:
@@ -270,6 +326,7 @@ class Device:
         first) and return to that version exactly."""
         if self.version != plan.version:
             raise DeviceStateError(f"device is at v{self.version}, the plan at v{plan.version}")
+        self._follow_store(read=True)
         bundle = self.bundle
         rng = np.random.default_rng([data.seed, data.partition_id, plan.round])
         batches = data_mod.batches_for(bundle.spec.model_kind, examples, bundle.tokenizer,
@@ -278,6 +335,11 @@ class Device:
         if checksum(bundle.scope) != self.checksum:  # the trainer must have put v back
             self.invalidate()
             raise DeviceStateError(f"local steps did not restore v{plan.version} exactly")
+        if self.personal is not None:
+            # after the shared steps, at the plan's version: nothing here reaches the upload
+            self.personal.train(examples, np.random.default_rng(
+                [data.seed, data.partition_id, plan.round, 0x9E75]))
+            self._save()
         # The aggregation weight is the size of the local training set (FedAvg's n_k, Flower's
         # num-examples), not the examples of this round's batches: every device probes the
         # same batch size, so weighting by batch would weigh a 14-example device like a
@@ -289,3 +351,11 @@ class Device:
     def evaluate(self, examples: data_mod.Examples) -> tuple[float, float]:
         """(accuracy, mean loss) of the model it holds on a local held-out set."""
         return local_accuracy(self.bundle, examples)
+
+    def evaluate_personal(self, examples: data_mod.Examples) -> PersonalScores | None:
+        """Held-out accuracy of the shared model alone, shared + personal, and the local-only
+        reference; None without a personal part or examples."""
+        if self.personal is None:
+            return None
+        self._follow_store(read=True)
+        return self.personal.score(examples)

@@ -9,14 +9,30 @@ carve identical splits. No Flower import here: an HTTP-only device does not need
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 from seedfed.client import data as data_mod
-from seedfed.shared.models import ModelBundle
+from seedfed.client import tastes
+
+if TYPE_CHECKING:  # torch loads only to score a torch model: the ORT device shares the data
+    from seedfed.shared.models import ModelBundle
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _no_grad(fn: F) -> F:
+    """torch.no_grad() around `fn`, importing torch only when it runs."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
+
 
 #: Local held-out examples a device scores in the sync phase (at most).
 MAX_LOCAL_EVAL = 64
@@ -25,9 +41,12 @@ MAX_LOCAL_EVAL = 64
 @dataclass(frozen=True)
 class DeviceData:
     """Where a device's private examples come from. Overridable per node by node_config keys
-    `data`, `partition-id`, `num-partitions`, `alpha`, `data-seed`, `local-eval`, `pool`."""
+    `data`, `partition-id`, `num-partitions`, `alpha`, `data-seed`, `local-eval`, `pool`,
+    `label-skew`."""
 
-    source: str = "builtin"  # "builtin" (generated preference task) or a TSV/JSONL path
+    # "builtin" (generated preference task, one owner's taste), "tastes" (per-device tastes,
+    # client.tastes) or a TSV/JSONL path
+    source: str = "builtin"
     partition_id: int = 0
     num_partitions: int = 1
     alpha: float = 0.5
@@ -36,8 +55,13 @@ class DeviceData:
     # > 0: the fleet shares only this many training examples (a fixed random subset, the same
     # on every device), e.g. to compare recipes on a benchmark's pool; 0: the whole split.
     pool: int = 0
+    # > 0: a label-skewed split instead of the Dirichlet one: device i's majority class
+    # (i mod classes) is this fraction of its examples (client.tastes.label_skew_partition)
+    label_skew: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.label_skew < 1:
+            raise ValueError(f"label_skew must be in [0, 1), got {self.label_skew}")
         if self.pool < 0:
             raise ValueError(f"pool must be >= 0, got {self.pool}")
         if self.num_partitions < 1:
@@ -56,7 +80,7 @@ class DeviceData:
         keys = {"data": ("source", str), "partition-id": ("partition_id", int),
                 "num-partitions": ("num_partitions", int), "alpha": ("alpha", float),
                 "data-seed": ("seed", int), "local-eval": ("local_eval_fraction", float),
-                "pool": ("pool", int)}
+                "pool": ("pool", int), "label-skew": ("label_skew", float)}
         changes = {field: cast(cfg[key]) for key, (field, cast) in keys.items() if key in cfg}
         return replace(self, **changes)
 
@@ -65,14 +89,21 @@ def load_device_examples(data: DeviceData) -> tuple[data_mod.Examples, data_mod.
     """The device's (train, local held-out) examples: its Dirichlet share of the training split.
 
     Every device derives the same partition of the same file from the same seed and keeps only
-    its own share; nothing about the data is sent anywhere.
+    its own share; nothing about the data is sent anywhere. The per-device taste task
+    (`client.tastes`) generates each device's own examples instead.
     """
+    if data.source == tastes.TASTES:
+        return tastes.device_examples(data.seed, data.partition_id)
     train = _training_split(data.source)
     if 0 < data.pool < len(train):
         pick = np.random.default_rng([data.seed, 1]).permutation(len(train))[:data.pool]
         train = train.subset(np.sort(pick))
-    parts = data_mod.dirichlet_partition(train.labels, data.num_partitions, data.alpha,
-                                         np.random.default_rng(data.seed), min_size=2)
+    if data.label_skew > 0:
+        parts = tastes.label_skew_partition(train.labels, data.num_partitions, data.label_skew,
+                                            np.random.default_rng(data.seed))
+    else:
+        parts = data_mod.dirichlet_partition(train.labels, data.num_partitions, data.alpha,
+                                             np.random.default_rng(data.seed), min_size=2)
     mine = train.subset(parts[data.partition_id])
     n_eval = min(MAX_LOCAL_EVAL, int(len(mine) * data.local_eval_fraction))
     order = np.random.default_rng([data.seed, data.partition_id]).permutation(len(mine))
@@ -101,11 +132,13 @@ def dataset_splits(source: str) -> data_mod.Splits:
 
 
 
-@torch.no_grad()
+@_no_grad
 def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                    batch_size: int = 32) -> tuple[float, float]:
     """(accuracy, mean loss) of the model on labelled examples; (0, 0) for none. A causal LM
     (a ternary task's BitNet model) scores next-token accuracy and loss on the texts instead."""
+    import torch
+
     if len(examples) == 0:
         return 0.0, 0.0
     if bundle.spec.model_kind == "causal_lm":
@@ -121,10 +154,12 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
     return correct / len(examples), loss_sum / len(examples)
 
 
-@torch.no_grad()
+@_no_grad
 def _next_token_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                          batch_size: int) -> tuple[float, float]:
     """(next-token accuracy, mean next-token loss) over every non-padding target token."""
+    import torch
+
     correct = tokens = 0
     loss_sum = 0.0
     for raw in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,

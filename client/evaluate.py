@@ -106,7 +106,25 @@ def evaluate(data: str | Path, *, task: str | Path | None = None,
     if examples.num_labels > spec.num_labels:
         raise ValueError(f"{data} has label {examples.num_labels - 1}, the task only "
                          f"{spec.num_labels} labels")
+    if spec.scope == "ternary" and snapshot is not None:
+        return accuracy(packed_bundle(spec, snapshot), examples)
     bundle = build_model(spec, initialize=snapshot is None)
     if snapshot is not None:
         load_snapshot(bundle, snapshot)
     return accuracy(bundle, examples)
+
+
+def packed_bundle(spec: TaskSpec, snapshot: str | Path) -> ModelBundle:
+    """A ternary task's version as a device holds it: the packed model loaded from a published
+    ternary snapshot `v{N}.safetensors`, verified against `v{N}.sha256` beside it."""
+    from seedfed.client.ternary import PackedTernary
+
+    path = Path(snapshot)
+    chk_file = path.with_suffix(".sha256")
+    if not chk_file.is_file():
+        raise FileNotFoundError(f"no checksum {chk_file} beside the ternary snapshot {path}")
+    m = re.search(r"(\d+)$", path.stem)
+    packed = PackedTernary(spec)
+    packed.load_snapshot(path.read_bytes(), int(m.group(1)) if m else 0,
+                         chk_file.read_text(encoding="utf-8").strip())
+    return packed.bundle

@@ -9,8 +9,11 @@ A device that cannot reach the target (gap in the log, checksum mismatch) raises
 that into an error reply and the strategy sends it a snapshot next time.
 
 Node config (`flower-supernode --node-config`): `data`, `partition-id`, `num-partitions`,
-`alpha`, `data-seed`, `local-eval` (see DeviceData) and `model`, the device's own copy of the
-base model (default: the task's `model_path`).
+`alpha`, `data-seed`, `local-eval`, `label-skew` (see DeviceData), `model`, the device's own
+copy of the base model (default: the task's `model_path`), and `personal`, the device's
+personal part (`residual`, `ditto`, `fedper` or `off`; client.personal), which lives in the
+Context under `personal` and is never part of a reply: the sync reply carries its accuracy
+(shared, personalized, local-only) as metrics only.
 
 State: the device's own trainable state, version and checksum live in the node's Context
 (Flower keeps it between rounds, in simulation and on a SuperNode). A ternary task's device
@@ -36,6 +39,7 @@ from flwr.clientapp import ClientApp
 from seedfed.client import data as data_mod
 from seedfed.client.device import Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
+from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
 from seedfed.shared.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.task import TaskSpec
@@ -76,7 +80,8 @@ class ContextStore:
             _typed(rec, "state", bytes),
             None if snap is None else _typed(rec, "ternary-snapshot", bytes),
             None if snap is None else _typed(rec, "ternary-snapshot-version", int),
-            str(rec.get("ternary-snapshot-checksum", "")))
+            str(rec.get("ternary-snapshot-checksum", "")),
+            _typed(rec, "personal", bytes) if "personal" in rec else None)
 
     def save(self, state: StoredState) -> None:
         assert self.task_json is not None
@@ -86,6 +91,8 @@ class ContextStore:
             fields.update({"ternary-snapshot": state.snapshot,
                            "ternary-snapshot-version": int(state.snapshot_version or 0),
                            "ternary-snapshot-checksum": state.snapshot_checksum})
+        if state.personal is not None:  # the node's own state: never part of a reply
+            fields["personal"] = state.personal
         self.context.state[STATE] = ConfigRecord(fields)
 
 
@@ -104,16 +111,19 @@ class DeviceRuntime:
         self._devices: dict[str, Device] = {}
         self._data: dict[DeviceData, tuple[data_mod.Examples, data_mod.Examples]] = {}
 
-    def device(self, task_id: str, spec_json: str, local_model: str | None) -> Device:
+    def device(self, task_id: str, spec_json: str, local_model: str | None,
+               personal: PersonalConfig | None = None) -> Device:
         """The task's device; `local_model` is this node's own copy of the base weights
-        (node_config `model`), used instead of the coordinator's `model_path`."""
+        (node_config `model`), used instead of the coordinator's `model_path`; `personal`
+        its personal part (None: none)."""
         key = (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
-               + (local_model or ""))
+               + (local_model or "") + ":" + repr(personal))
         if key not in self._devices:
             spec = TaskSpec.from_dict(json.loads(spec_json))
             if local_model:
                 spec = replace(spec, model_path=local_model)
-            self._devices = {key: Device(spec, task_id)}  # one task per device at a time
+            # one task per device at a time
+            self._devices = {key: Device(spec, task_id, personal=personal)}
         return self._devices[key]
 
     def examples(self, data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
@@ -125,8 +135,16 @@ class DeviceRuntime:
 RUNTIME = DeviceRuntime()
 
 
+def node_personal(context: Context, default: PersonalConfig | None) -> PersonalConfig | None:
+    """The node's personal part: node_config `personal` (a method name) over the app's."""
+    method = context.node_config.get("personal")
+    if method is None:
+        return default
+    return replace(default or PersonalConfig(), method=str(method))
+
+
 def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
-                ) -> tuple[Device, SyncResult]:
+                personal: PersonalConfig | None = None) -> tuple[Device, SyncResult]:
     """Bring this node's device to `target` from the message's snapshot, or from its stored
     state plus the message's log entries, and remember the result in the node's Context."""
     store = ContextStore(context)
@@ -136,7 +154,8 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
         raise DeviceStateError(f"device knows nothing of task {task_id}; send the task and a "
                                "snapshot")
     local = context.node_config.get("model")
-    device = RUNTIME.device(task_id, spec_json, str(local) if local else None)
+    device = RUNTIME.device(task_id, spec_json, str(local) if local else None,
+                            node_personal(context, personal))
     store.task_json, device.store = spec_json, store  # this node's state, in this process
     loaded = None
     if catch_up.snapshot is not None:
@@ -148,9 +167,10 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
     return device, result if loaded is None or result.method != "none" else loaded
 
 
-def train(message: Message, context: Context, data: DeviceData) -> Message:
+def train(message: Message, context: Context, data: DeviceData,
+          personal: PersonalConfig | None = None) -> Message:
     ins = TrainIns.from_record(message.content)
-    device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version)
+    device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version, personal)
     mine = data.with_node_config(context.node_config)
     train_set, _ = RUNTIME.examples(mine)
     trained = device.train(ins.plan, train_set, mine)
@@ -163,32 +183,39 @@ def reply_content(scalars: np.ndarray, num_examples: int, loss: float) -> Record
     return TrainRes(scalars, num_examples, loss).to_record()
 
 
-def evaluate(message: Message, context: Context, data: DeviceData) -> Message:
-    """The sync phase: catch up to the new version, verify it, score the local held-out set."""
+def evaluate(message: Message, context: Context, data: DeviceData,
+             personal: PersonalConfig | None = None) -> Message:
+    """The sync phase: catch up to the new version, verify it, score the local held-out set
+    (with a personal part: shared alone, shared + personal, local-only; as metrics)."""
     ins = SyncIns.from_record(message.content)
-    device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version)
+    device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version, personal)
     if result.checksum != ins.checksum:
         raise DeviceStateError(f"device reached v{result.version} with checksum "
                                f"{result.checksum[:16]}..., coordinator has "
                                f"{ins.checksum[:16]}...")
     _, local_eval = RUNTIME.examples(data.with_node_config(context.node_config))
     acc, loss = device.evaluate(local_eval)
-    reply = SyncRes(result.version, result.checksum, acc, loss, max(len(local_eval), 1))
+    scores = device.evaluate_personal(local_eval)
+    reply = SyncRes(result.version, result.checksum, acc, loss, max(len(local_eval), 1),
+                    personal_accuracy=None if scores is None else scores.personal,
+                    local_only_accuracy=None if scores is None else scores.local)
     return Message(reply.to_record(), reply_to=message)
 
 
-def make_client_app(data: DeviceData | None = None) -> ClientApp:
-    """A ClientApp whose devices read their data per `data`, overridden by node_config."""
+def make_client_app(data: DeviceData | None = None,
+                    personal: PersonalConfig | None = None) -> ClientApp:
+    """A ClientApp whose devices read their data per `data` and keep the personal part
+    `personal` (None: none), both overridden by node_config."""
     defaults = data or DeviceData()
     app = ClientApp()
 
     @app.train()
     def _train(message: Message, context: Context) -> Message:
-        return train(message, context, defaults)
+        return train(message, context, defaults, personal)
 
     @app.evaluate()
     def _evaluate(message: Message, context: Context) -> Message:
-        return evaluate(message, context, defaults)
+        return evaluate(message, context, defaults, personal)
 
     return app
 

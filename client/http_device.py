@@ -18,6 +18,11 @@ time and at every mask epoch start, replaying the log inside an epoch. Its state
 also keeps the last snapshot it loaded (`ternary.safetensors`, with its version and checksum
 in device.json): with the masked latents in `state.safetensors` that rebuilds the packed
 model on a restart without a download, as long as the task is still in the same mask epoch.
+
+With a personal part (`DeviceConfig.personal`, `seedfed device --personal`; client.personal)
+the directory also keeps `personal.safetensors`, the device's own head: trained after each
+round's upload is computed, never uploaded. Deleting the file (or `seedfed device
+--reset-personal`) resets it; the shared state is not touched either way.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from typing import Any
 
 import httpx
 from seedfed.client import data as data_mod
+from seedfed.client.catchup import CatchupMeters, sync_by_cost
 from seedfed.client.device import FP32, Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
+from seedfed.client.endpoint import check_endpoint
+from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
 from seedfed.client.ternary import PackedTernary
 from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
 from seedfed.shared.errors import SeedfedError
-from seedfed.shared.replay import LogEntry
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan
 
@@ -47,6 +54,10 @@ log = logging.getLogger(__name__)
 #: State-directory file of a ternary device: the published snapshot its packed model came from.
 TERNARY_SNAPSHOT_FILE = "ternary.safetensors"
 STATE_FILE = "state.safetensors"
+#: State-directory file of the device's personal part (never uploaded).
+PERSONAL_FILE = "personal.safetensors"
+#: State-directory copy of the task definition (lets `seedfed evaluate --device` run offline).
+TASK_FILE = "task.json"
 META_FILE = "device.json"
 
 #: The coordinator refused a request (`.status`, `.detail`): the shared client's error.
@@ -63,17 +74,12 @@ class DeviceConfig:
     data: DeviceData = field(default_factory=DeviceData)
     poll_s: float = 2.0
     timeout_s: float = 60.0
-    bandwidth: float = 2e6  # bytes/s, tells the coordinator's catch-up plan what is cheap
+    bandwidth: float = 2e6  # bytes/s assumed until the device has measured its own link
+    personal: PersonalConfig | None = None  # the device's personal part; None: none
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"coordinator URL must start with http:// or https://, got "
-                             f"{self.url!r}")
-        if not self.task_id:
-            raise ValueError("task_id must not be empty")
-        for name in ("poll_s", "timeout_s", "bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_endpoint(self.url, self.task_id, poll_s=self.poll_s, timeout_s=self.timeout_s,
+                       bandwidth=self.bandwidth)
 
 
 @dataclass
@@ -106,6 +112,14 @@ class DirectoryStore:
                              f"{self.task_id!r}; use another --state-dir")
         return dict(meta)
 
+    @staticmethod
+    def read_task_id(path: Path) -> str:
+        """The task a state directory belongs to (from its device.json)."""
+        meta = json.loads((path / META_FILE).read_text())
+        if not isinstance(meta, dict) or not meta.get("task_id"):
+            raise ValueError(f"{path / META_FILE} names no task")
+        return str(meta["task_id"])
+
     def write_meta(self) -> None:
         path = self.path / META_FILE
         tmp = path.with_suffix(".tmp")
@@ -127,11 +141,13 @@ class DirectoryStore:
                            self._read(STATE_FILE),
                            self._read(TERNARY_SNAPSHOT_FILE) if has_snapshot else None,
                            int(m["snapshot_version"]) if has_snapshot else None,
-                           str(m.get("snapshot_checksum", "")))
+                           str(m.get("snapshot_checksum", "")), self._read(PERSONAL_FILE))
 
     def save(self, state: StoredState) -> None:
         if state.state is not None:
             _write_atomic(self.path / STATE_FILE, state.state)
+        if state.personal is not None:  # None: a device without a personal part keeps it
+            _write_atomic(self.path / PERSONAL_FILE, state.personal)
         known = (self.meta.get("snapshot_version"), self.meta.get("snapshot_checksum"))
         if state.snapshot is not None and known != (state.snapshot_version,
                                                     state.snapshot_checksum):
@@ -152,6 +168,8 @@ class HttpDevice:
         self.store = DirectoryStore(config.state_dir, config.task_id)
         self.device: Device | None = None  # built on the first sync
         self._examples: data_mod.Examples | None = None
+        #: The device's own link, replay and load rates: they choose replay or snapshot.
+        self.meters = CatchupMeters(config.bandwidth)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -194,10 +212,13 @@ class HttpDevice:
         """The task's model on this device's own copy of the base weights, with the state of
         the state directory when it verifies (else the next sync downloads a snapshot)."""
         if self.device is None:
-            spec = TaskSpec.from_dict(self.api.spec(self.config.task_id))
+            raw = self.api.spec(self.config.task_id)
+            spec = TaskSpec.from_dict(raw)
+            _write_atomic(self.state_dir / TASK_FILE, json.dumps(raw).encode())
             if self.config.model:
                 spec = replace(spec, model_path=self.config.model)
-            self.device = Device(spec, self.config.task_id, self.store)
+            self.device = Device(spec, self.config.task_id, self.store,
+                                 personal=self.config.personal)
             try:
                 self.device.resume()
             except DeviceStateError as e:
@@ -205,21 +226,16 @@ class HttpDevice:
         return self.device
 
     def sync(self, target: int | None = None) -> SyncResult:
-        """Catch up to `target` (default: the task's current version), verified: the log when
-        the coordinator's catch-up plan says replay (it forces a download across a mask epoch
-        start), else the snapshot of `target` in the device's format."""
+        """Catch up to `target` (default: the task's current version), verified: the log or
+        the snapshot of `target` in the device's format, whichever this device's own measured
+        rates make cheaper (`client.catchup.sync_by_cost`; a download across a mask epoch
+        start whatever they are)."""
         device, api, task = self.load_device(), self.api, self.config.task_id
         target = api.status(task).version if target is None else target
         if device.version == target:
             return SyncResult(target, device.checksum, "none")
-        entries: list[LogEntry] = []
-        if device.version is not None and device.version < target:
-            plan = api.catchup(task, device.version, self.config.bandwidth)
-            if plan.action == "replay":
-                entries = [e.to_entry() for e in api.log_since(task, device.version)]
         fmt = None if device.snapshot_format == FP32 else device.snapshot_format
-        return device.sync(target, entries=entries,
-                           fetch=lambda: api.snapshot(task, target, fmt))
+        return sync_by_cost(device, api, task, target, fmt, self.meters)
 
     def examples(self) -> data_mod.Examples:
         if self._examples is None:

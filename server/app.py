@@ -64,6 +64,10 @@ async def _request_invalid(_request: Request, exc: Exception) -> JSONResponse:
     # can be large, and it is the caller's own.
     assert isinstance(exc, RequestValidationError)
     summary, issues = validation_issues(exc.errors())
+    if any(i.get("type") == "json_invalid" for i in exc.errors()):
+        # A body that is not JSON at all is malformed (400), as on the upload path; 422 is for
+        # a body that parses but breaks a rule (server/README.md, "Errors").
+        return error_response(400, summary, E.MalformedRequestError.__name__, issues=issues)
     return error_response(422, summary, "RequestValidationError", issues=issues)
 
 

@@ -61,13 +61,18 @@ class FleetConfig:
     round_timeout_s: float = 600.0  # wait for replies at most this long per phase
     node_wait_s: float = 300.0  # wait for `min_devices` at most this long
     sync_after_round: bool = True
+    #: with `sync_after_round`, run the sync phase only every this many rounds and in
+    #: `final_round` (a simulation scoring every N rounds needs no sync in between: a device
+    #: replays the entries it missed with its next plan, to the same bits)
+    sync_every: int = 1
+    final_round: int | None = None
     sample_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.devices_per_round is not None and self.devices_per_round < 1:
             raise ValueError(f"devices_per_round must be >= 1 or None, got "
                              f"{self.devices_per_round}")
-        for name in ("min_devices", "quorum"):
+        for name in ("min_devices", "quorum", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("round_timeout_s", "node_wait_s"):
@@ -102,6 +107,10 @@ class RoundRecord:
     sync_mismatches: int = 0
     local_accuracy: float | None = None
     device_checksums: dict[int, str] = field(default_factory=dict)
+    #: per synced device, its held-out accuracy: shared, personalized, local-only (the last
+    #: two None for a device without a personal part). Metrics only, never examples.
+    device_accuracy: dict[int, tuple[float, float | None, float | None]] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -270,6 +279,8 @@ class SeedfedStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         if not self.config.sync_after_round or not self.history:
             return []
+        if server_round % self.config.sync_every and server_round != self.config.final_round:
+            return []
         status = self.coordinator.task_status(self.task_id)
         record = self.history[-1]
         connected = set(grid.get_node_ids())
@@ -316,6 +327,8 @@ class SeedfedStrategy(Strategy):
             record.synced += 1
             if res.accuracy is not None and res.loss is not None and res.num_examples > 0:
                 scored.append((res.accuracy, res.loss, res.num_examples))
+                record.device_accuracy[node_id] = (res.accuracy, res.personal_accuracy,
+                                                   res.local_only_accuracy)
         total = sum(n for _, _, n in scored)
         if total:
             record.local_accuracy = sum(a * n for a, _, n in scored) / total

@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import NonFiniteScalarError, ShapeError
-from .replay import LogEntry, update_coefficients
+from .npzo import LogEntry, update_coefficients
 
 Rule = Literal["mean", "clipped_mean", "trimmed_mean", "median"]
 RULES: tuple[str, ...] = ("mean", "clipped_mean", "trimmed_mean", "median")

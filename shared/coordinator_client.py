@@ -30,10 +30,13 @@ from .wire import LogEntryWire, RoundPlan, pack_binary
 class CoordinatorHttpError(SeedfedError, RuntimeError):
     """The coordinator refused a request; carries its status and the reason it gave."""
 
-    def __init__(self, status: int, method: str, path: str, detail: str) -> None:
+    def __init__(self, status: int, method: str, path: str, detail: str,
+                 error: str | None = None) -> None:
         super().__init__(f"{method} {path} -> {status}: {detail}")
         self.status = status
         self.detail = detail
+        #: The error's type name from the body (`NotFoundError`, ...); None if it had none.
+        self.error = error
 
 
 class CoordinatorClient:
@@ -52,11 +55,14 @@ class CoordinatorClient:
             headers["Authorization"] = f"Bearer {bearer}"
         resp = self.http.request(method, path, headers=headers, **kwargs)
         if resp.status_code >= 400:
+            error = None
             try:
-                detail = str(resp.json().get("detail", resp.text))
+                body = resp.json()
+                detail = str(body.get("detail", resp.text))
+                error = str(body["error"]) if "error" in body else None
             except (ValueError, AttributeError):
                 detail = resp.text
-            raise CoordinatorHttpError(resp.status_code, method, path, detail)
+            raise CoordinatorHttpError(resp.status_code, method, path, detail, error)
         return resp
 
     # -- reading a task --------------------------------------------------------------------------
@@ -68,10 +74,15 @@ class CoordinatorClient:
         return dict(self.request("GET", Routes(task_id).spec).json())
 
     def catchup(self, task_id: str, from_version: int, bandwidth: float | None = None,
-                ) -> CatchupPlan:
+                regen_rate: float | None = None) -> CatchupPlan:
+        """The catch-up plan from `from_version`; `bandwidth` (bytes/s) and `regen_rate`
+        (elements x seeds per second) are the caller's own rates (the route's defaults when
+        None)."""
         params: dict[str, Any] = {"from": from_version}
         if bandwidth is not None:
             params["bandwidth"] = bandwidth
+        if regen_rate is not None:
+            params["regen_rate"] = regen_rate
         return CatchupPlan.model_validate(
             self.request("GET", Routes(task_id).catchup, params=params).json())
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import NonFiniteScalarError
+# The scalar rule is numpy-only (`npzo`, shared with the torch-free device); re-exported.
+from .npzo import projected_gradient as projected_gradient
 from .perturb import Mode, Perturber
 from .replay import apply_seeds, update_coefficients
 from .scopes import Scope
@@ -56,17 +57,6 @@ class StepResult:
     copies_per_forward: int = 1  # probes stacked along the batch per model call
 
 
-def projected_gradient(loss_plus: float, loss_minus: float, eps: float, one_sided: bool,
-                       clip: float | None) -> float:
-    """The float32 scalar a device uploads for one seed."""
-    if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
-        raise NonFiniteScalarError(f"loss is not finite (L+={loss_plus}, L-={loss_minus})")
-    g = (loss_plus - loss_minus) / (eps if one_sided else 2 * eps)
-    if clip is not None:
-        g = min(max(g, -clip), clip)
-    return float(np.float32(g))
-
-
 def spsa_step(scope: Scope, loss_fn: LossFn, seeds: Sequence[int], config: ZOConfig,
               perturber: Perturber | None = None) -> StepResult:
     """Estimate g for every seed at the current theta, then apply the update in plan order."""
@@ -88,7 +78,8 @@ def spsa_step(scope: Scope, loss_fn: LossFn, seeds: Sequence[int], config: ZOCon
                 lm = base
                 losses.append(lp)
             g[i] = projected_gradient(lp, lm, config.eps, config.one_sided, config.clip)
-    coefs = update_coefficients(g, config.lr, config.perturbations)
-    apply_seeds(scope, seeds, coefs.tolist())
+        coefs = update_coefficients(g, config.lr, config.perturbations)
+        # inside the step: a virtual perturber still holds the last seed's z to reuse
+        apply_seeds(scope, seeds, coefs.tolist(), signs=perturber.signs)
     return StepResult(g=g, loss=float(np.mean(losses)), forwards=len(losses),
                       model_calls=len(losses))

@@ -112,6 +112,9 @@ class Routes:
         self.rounds = f"{task}/rounds"  # POST: open a round (admin)
         self.current_round = f"{task}/rounds/current"
 
+    def device(self, device_id: str) -> str:
+        return f"{self.devices}/{device_id}"  # DELETE: revoke (admin)
+
     def snapshot(self, version: int) -> str:
         return f"{self.task}/snapshots/{version}"
 

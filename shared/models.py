@@ -444,6 +444,13 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
     for p in model.parameters():
         p.requires_grad_(False)  # ZO never needs autograd; keeps forwards lean
     scope = build_scope(spec.scope, model, spec.scope_options)
+    if spec.step_scales:
+        scope.set_step_scales(spec.step_scales)
+    if spec.scope == "ternary" and spec.model_kind == "seq_cls" and spec.label_texts and \
+            tokenizer is not None:
+        # The scope converted the encoder to BitLinear: the prototypes must be the features
+        # of the ternary forward the devices run (set in place; the scope keeps its tensors).
+        init_prototype_head(model, tokenizer, spec.label_texts)
     inner = getattr(getattr(model, "base_model", model), "model", model)
     if isinstance(inner, MeanPoolClassifier):
         inner.frozen_prefix = frozen_prefix_depth(model, scope)
@@ -452,8 +459,12 @@ def build_model(spec: TaskSpec, *, initialize: bool) -> ModelBundle:
 
 def _quantize(model: nn.Module, spec: TaskSpec) -> nn.Module:
     """Group-wise int8/int4 Linear layers (heads stay float): the QZO `scales` scope's model."""
-    from .quant.model import QuantConfig, quantize_model
+    from .quant.model import DEFAULT_SKIP, QuantConfig, quantize_model
 
     bits = 8 if spec.format == "int8" else 4
     group_size = getattr(spec.scope_options, "group_size", None) or 64  # ScalesOptions
-    return quantize_model(model, QuantConfig(bits=bits, group_size=group_size))
+    # LoRA adapters (and peft's head copies) stay float: only the base weights under them are
+    # quantized, so the shared base is int8/int4 while the adapters train in float32.
+    skip = DEFAULT_SKIP + (("lora_A", "lora_B", "modules_to_save", "original_module")
+                           if spec.scope == "lora" else ())
+    return quantize_model(model, QuantConfig(bits=bits, group_size=group_size, skip=skip))

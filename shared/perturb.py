@@ -1,4 +1,5 @@
-"""Showing the forward theta + scale * z(seed) while the stored tensors come back bit for bit.
+"""Showing the forward theta + scale * c_t * z(seed) while the stored tensors come back bit for
+bit (c_t: the tensor's `ScopedTensor.step_scale`, 1 unless the task sets one).
 
 Floating-point undo is not exact (x + e - 2e + e != x in general), so a probe either
 - `copy`: adds scale * z in place and afterwards copies the tensors back from a stash kept
@@ -19,11 +20,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 
 from .scopes import Scope, ScopedTensor
-from .stream import add_seeds_, perturbed, rademacher_rows
+from .stream import (
+    BLOCK_ELEMENTS,
+    add_seeds_,
+    add_words,
+    perturbed,
+    rademacher_rows,
+    tensor_words,
+)
 
 Mode = Literal["auto", "copy", "virtual"]
 MODES: tuple[str, ...] = ("auto", "copy", "virtual")
@@ -39,8 +48,48 @@ def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
     return "copy" if scope.numel <= COPY_FRACTION * max(total, 1) else "virtual"
 
 
-def perturbed_copy(t: ScopedTensor, seed: int, scale: float) -> torch.Tensor:
-    """A new tensor equal to t.tensor + scale * z(seed) on the covered elements."""
+class SignCache:
+    """The stream words of the seed a step probed last, for every whole tensor of the scope,
+    so its +eps probe, its -eps probe and the update generate z once (issue 13). One seed at a
+    time in one buffer allocated once per step (numel / 8 bytes, 1/32 of the scope's float32
+    size; one block, so the probes' temporaries keep reusing the same heap)."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.seed: int | None = None
+        self._spans: dict[str, tuple[int, int]] = {}
+        size = 0
+        for t in scope:
+            if t.indices is None:
+                words = 4 * -(-t.tensor.numel() // BLOCK_ELEMENTS)
+                self._spans[t.name] = (size, size + words)
+                size += words
+        self._buffer = np.empty(size, dtype=np.uint64)
+        self.generated = 0  # seeds generated (tests count reuse with it)
+
+    def get(self, t: ScopedTensor, seed: int) -> np.ndarray:
+        if seed != self.seed:  # a new seed: every tensor's words at once, into the buffer
+            for name, (lo, hi) in self._spans.items():
+                self._buffer[lo:hi] = tensor_words(seed, name, (hi - lo) * 64)
+            self.seed = seed
+            self.generated += 1
+        lo, hi = self._spans[t.name]
+        return self._buffer[lo:hi]
+
+    def cached(self, name: str, seed: int) -> np.ndarray | None:
+        span = self._spans.get(name)
+        return None if seed != self.seed or span is None else self._buffer[span[0]:span[1]]
+
+
+def perturbed_copy(t: ScopedTensor, seed: int, scale: float,
+                   signs: SignCache | None = None) -> torch.Tensor:
+    """A new tensor equal to t.tensor + scale * c_t * z(seed) on the covered elements
+    (z of a whole tensor from `signs` when given: generated once per seed and step)."""
+    scale = t.scaled(scale)
+    if t.indices is None and signs is not None:
+        src = t.tensor.detach().contiguous()
+        out = torch.empty_like(src)
+        add_words(out.view(-1), src.view(-1), signs.get(t, seed), float(np.float32(scale)))
+        return out
     if t.indices is None:  # whole tensor: one pass, no clone (same bits as clone + add)
         return perturbed(t.tensor, t.name, seed, scale)
     out = t.tensor.detach().clone()
@@ -68,16 +117,20 @@ class Perturber:
         self.scope = scope
         self.mode = resolve_mode(scope, mode)
         self._stash: Stash | None = None
+        #: inside `step()` of a virtual perturber: the words of the seed probed last
+        self.signs: SignCache | None = None
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Brackets one optimizer step: the copy strategy stashes the scope once per step."""
         if self.mode == "copy":
             self._stash = Stash(self.scope)
+        else:
+            self.signs = SignCache(self.scope)
         try:
             yield
         finally:
-            self._stash = None
+            self._stash, self.signs = None, None
 
     @contextmanager
     def probe(self, seed: int, scale: float) -> Iterator[None]:
@@ -86,18 +139,20 @@ class Perturber:
             stash = self._stash or Stash(self.scope)
             with torch.no_grad():
                 for t in self.scope:
-                    add_seeds_(t.tensor.data, t.name, [seed], [scale], t.indices, t.compact)
+                    add_seeds_(t.tensor.data, t.name, [seed], [t.scaled(scale)],
+                               t.indices, t.compact)
             try:
                 yield
             finally:
                 stash.restore()
         else:
-            with _virtual(self.scope, seed, scale):
+            with _virtual(self.scope, seed, scale, self.signs):
                 yield
 
 
 @contextmanager
-def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
+def _virtual(scope: Scope, seed: int, scale: float, signs: SignCache | None = None,
+             ) -> Iterator[None]:
     by_id = {id(t.tensor): t for t in scope}
     owners = scope.owners()
     depth: dict[int, int] = {}
@@ -114,7 +169,7 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
             depth[key] = depth.get(key, 0) + 1
             if depth[key] == 1:  # a tensor shared by nested owners is perturbed once
                 originals[key] = p.data
-                p.data = perturbed_copy(by_id[key], seed, scale)
+                p.data = perturbed_copy(by_id[key], seed, scale, signs)
 
     def leave(module: nn.Module, args: tuple[object, ...], out: object) -> object:
         rows = by_rows.pop(id(module), None)
@@ -132,7 +187,8 @@ def _virtual(scope: Scope, seed: int, scale: float) -> Iterator[None]:
         ids = args[0]
         assert isinstance(ids, torch.Tensor)
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        delta = rademacher_rows(seed, rows.name, out.shape[-1], uniq.numpy(), scale)
+        delta = rademacher_rows(seed, rows.name, out.shape[-1], uniq.numpy(),
+                                rows.scaled(scale))
         return out + delta[inverse]
 
     modules = {id(m): m for pairs in owners.values() for m, _ in pairs}

@@ -55,8 +55,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import npzo
 from .errors import SeedfedError
-from .estimator import StepResult, ZOConfig, projected_gradient
+from .estimator import StepResult, ZOConfig
 from .perturb import Perturber, perturbed_copy
 from .replay import apply_seeds, update_coefficients
 from .scopes import Scope, ScopedTensor
@@ -70,7 +71,7 @@ LossOnBatch = Callable[[nn.Module, Batch], torch.Tensor]
 #: (model, batch repeated `copies` times along dim 0, copies) -> the `copies` mean losses.
 CopyLosses = Callable[[nn.Module, Batch, int], torch.Tensor]
 #: (seed, scale): the forward sees theta + scale * z(seed); None: theta itself.
-Probe = tuple[int, float] | None
+Probe = npzo.Probe
 
 #: Extra activation memory a batched forward may use beyond one probe's (MB).
 DEFAULT_BUDGET_MB = DEFAULT_PROBE_MEMORY_MB
@@ -532,7 +533,7 @@ def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> to
         return pending.pop(key)
     if t.indices is not None:
         return perturbed_copy(t, seed, scale)
-    plus, minus = perturbed_pair(t.tensor, t.name, seed, scale)
+    plus, minus = perturbed_pair(t.tensor, t.name, seed, t.scaled(scale))  # c_t: fl32(eps c_t)
     pending[(id(t.tensor), seed, -scale)] = minus
     return plus
 
@@ -589,22 +590,14 @@ def _replaced(call: _Call) -> Iterator[None]:
 
 def step_probes(seeds: Sequence[int], config: ZOConfig) -> list[Probe]:
     """The probes of one step in `spsa_step`'s order: base first when one-sided."""
-    if config.one_sided:
-        return [None] + [(s, config.eps) for s in seeds]
-    return [p for s in seeds for p in ((s, config.eps), (s, -config.eps))]
+    return npzo.step_probes(seeds, config.eps, config.one_sided)
 
 
 def engine_step(engine: ProbeEngine, batch: Batch, seeds: Sequence[int],
                 config: ZOConfig) -> StepResult:
     """`spsa_step` through the engine: same scalars (float tolerance), same update bits."""
     losses = engine.losses(batch, step_probes(seeds, config))
-    g = np.empty(len(seeds), dtype=np.float32)
-    for i in range(len(seeds)):
-        if config.one_sided:
-            lp, lm = losses[1 + i], losses[0]
-        else:
-            lp, lm = losses[2 * i], losses[2 * i + 1]
-        g[i] = projected_gradient(lp, lm, config.eps, config.one_sided, config.clip)
+    g = npzo.step_scalars(losses, len(seeds), config.eps, config.one_sided, config.clip)
     coefs = update_coefficients(g, config.lr, config.perturbations)
     apply_seeds(engine.scope, seeds, coefs.tolist())
     return StepResult(g=g, loss=float(np.mean(losses)), forwards=len(losses),

@@ -9,7 +9,9 @@ WireFormatError. Both sides import these classes, so no record key is spelled tw
   the mean loss. Nothing else leaves the device.
 - EVALUATE, the sync phase (`SyncIns`): the target version and checksum, how to reach it.
 - EVALUATE reply (`SyncRes`): the version and checksum the device now holds, and a
-  MetricRecord `METRICS` with its local held-out accuracy, loss and example count.
+  MetricRecord `METRICS` with its local held-out accuracy, loss and example count, and for a
+  device with a personal part the same held-out set's accuracy personalized and local-only
+  (numbers only: no personal parameter or example is ever in a message).
 
 How to reach a version (`CatchUp`): nothing, `entries` (a JSON list of LogEntryWire JSON) from
 the version the device last confirmed, or `snapshot` (safetensors bytes) with its version,
@@ -36,6 +38,9 @@ RECORD = "seedfed"
 METRICS = "metrics"
 #: Key of the aggregation weight in both replies (Flower's own name for it).
 NUM_EXAMPLES = "num-examples"
+#: Keys of a personalized device's extra held-out accuracies in the EVALUATE reply's metrics.
+PERSONAL_ACCURACY = "personal-accuracy"
+LOCAL_ONLY_ACCURACY = "local-only-accuracy"
 #: The `snapshot-format` an absent key means.
 FP32 = "fp32"
 
@@ -170,13 +175,20 @@ class SyncRes:
     accuracy: float | None = None
     loss: float | None = None
     num_examples: int = 0
+    personal_accuracy: float | None = None  # shared + the device's personal part
+    local_only_accuracy: float | None = None  # a head trained on the device's data alone
 
     def to_record(self) -> RecordDict:
         content = RecordDict({RECORD: ConfigRecord({"version": self.version,
                                                     "checksum": self.checksum})})
         if self.accuracy is not None and self.loss is not None:
-            content[METRICS] = MetricRecord({"accuracy": self.accuracy, "loss": self.loss,
-                                             NUM_EXAMPLES: self.num_examples})
+            metrics = MetricRecord({"accuracy": self.accuracy, "loss": self.loss,
+                                    NUM_EXAMPLES: self.num_examples})
+            for key, value in ((PERSONAL_ACCURACY, self.personal_accuracy),
+                               (LOCAL_ONLY_ACCURACY, self.local_only_accuracy)):
+                if value is not None:
+                    metrics[key] = float(value)
+            content[METRICS] = metrics
         return content
 
     @classmethod
@@ -186,5 +198,8 @@ class SyncRes:
         metrics = content.metric_records.get(METRICS)
         if metrics is None:
             return cls(version, chk)
+        extra = {name: _get(metrics, key, float) if key in metrics else None
+                 for name, key in (("personal_accuracy", PERSONAL_ACCURACY),
+                                   ("local_only_accuracy", LOCAL_ONLY_ACCURACY))}
         return cls(version, chk, _get(metrics, "accuracy", float), _get(metrics, "loss", float),
-                   _get(metrics, NUM_EXAMPLES, int))
+                   _get(metrics, NUM_EXAMPLES, int), **extra)

@@ -4,68 +4,31 @@ Arithmetic contract: trainable tensors are float32; for each entry in version or
 seed in plan order, every covered element x becomes fl32(x + coef * z) with z = +-1, so
 coef * z is exact and each step is one IEEE addition: every platform gets the same bits.
 Coefficients are float32 values computed by `update_coefficient`, the one definition both the
-device (for its own local steps) and the coordinator (for aggregated entries) use.
+device (for its own local steps) and the coordinator (for aggregated entries) use. A tensor with
+a step scale c_t != 1 (`TaskSpec.step_scales`) adds fl32(coef * c_t) * z instead
+(`ScopedTensor.scaled_coefs`: the float64 product rounded once), still one exact addition.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import ChecksumMismatchError, LogEntryMismatchError, NonFiniteScalarError
-from .perturb import Stash
+from .errors import ChecksumMismatchError
+
+# Entries and the coefficient rule are numpy-only (`npzo`, shared with the torch-free device);
+# re-exported here, where both sides have always imported them from.
+from .npzo import LogEntry as LogEntry
+from .npzo import check_entries, hash_values
+from .npzo import update_coefficient as update_coefficient
+from .npzo import update_coefficients as update_coefficients
+from .perturb import SignCache, Stash
 from .scopes import Scope
-from .stream import add_seeds_
-
-
-def update_coefficient(g: float, lr: float, perturbations: int) -> float:
-    """The float32 coefficient of z for projected gradient g: -(lr / P) * g, rounded once."""
-    if not math.isfinite(g):
-        raise NonFiniteScalarError(f"projected gradient is {g}")
-    return float(np.float32(-(lr / perturbations) * float(g)))
-
-
-def update_coefficients(g: np.ndarray, lr: float, perturbations: int) -> np.ndarray:
-    """Vector form of `update_coefficient` (same float64 product, one rounding to float32)."""
-    g64 = np.asarray(g, dtype=np.float64)
-    if not np.isfinite(g64).all():
-        raise NonFiniteScalarError("projected gradients contain NaN or infinity")
-    return (-(lr / perturbations) * g64).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """One shared update: version `base_version` -> `base_version + 1` of task `task_id`."""
-
-    task_id: str
-    base_version: int
-    seeds: tuple[int, ...]
-    coefs: tuple[float, ...]
-    checksum: str | None = None
-    #: The mask epoch of version `base_version + 1` (a ternary task; None: no epochs). An
-    #: entry whose epoch differs from its base version's started a new epoch: replay cannot
-    #: cross it. Not part of the update itself, so entries compare without it.
-    mask_epoch: int | None = field(default=None, compare=False)
-
-    @property
-    def version(self) -> int:
-        return self.base_version + 1
-
-    def validate(self) -> None:
-        if len(self.seeds) != len(self.coefs):
-            raise LogEntryMismatchError(
-                f"entry v{self.version}: {len(self.seeds)} seeds but {len(self.coefs)} coefs"
-            )
-        bad = [c for c in self.coefs if not math.isfinite(c)]
-        if bad:
-            raise NonFiniteScalarError(f"entry v{self.version} has non-finite coefficient {bad[0]}")
+from .stream import add_seeds_, add_words
 
 
 def checksum(scope: Scope) -> str:
@@ -88,21 +51,29 @@ def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
 
 
 def _hash_tensor(h: Any, name: str, values: torch.Tensor) -> None:
-    flat = values.detach().reshape(-1).numpy().astype("<f4", copy=False)
-    h.update(name.encode("utf-8") + b"\0" + struct.pack("<Q", flat.size))
-    h.update(flat.tobytes())
+    hash_values(h, name, values.detach().reshape(-1).numpy())
 
 
 def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float],
-                on_tensor: Callable[[int], None] | None = None) -> None:
+                on_tensor: Callable[[int], None] | None = None,
+                signs: SignCache | None = None) -> None:
     """theta += sum in order of coef * z(seed) over the scope (no validation; hot path).
 
     The one definition of an entry's arithmetic: devices replay with it and the coordinator
     applies its aggregated entries with it. `on_tensor(i)` runs after the i-th tensor (the
-    coordinator's crash tests stop there)."""
+    coordinator's crash tests stop there). `signs`: a ZO step's cache of its last seed's z
+    (whole tensors), reused instead of generated; the same additions in the same order."""
     with torch.no_grad():
         for i, t in enumerate(scope):
-            add_seeds_(t.tensor.data, t.name, seeds, coefs, t.indices, t.compact)
+            scaled = t.scaled_coefs(coefs)
+            words = (signs.cached(t.name, seeds[-1])
+                     if signs is not None and seeds and t.indices is None else None)
+            if words is None:
+                add_seeds_(t.tensor.data, t.name, seeds, scaled, t.indices, t.compact)
+            else:  # the earlier seeds fused, then the last one from its cached words
+                add_seeds_(t.tensor.data, t.name, seeds[:-1], scaled[:-1])
+                flat = t.tensor.data.view(-1)
+                add_words(flat, flat, words, float(np.float32(scaled[-1])))
             if on_tensor is not None:
                 on_tensor(i)
     scope.after_update()
@@ -118,17 +89,7 @@ def replay(scope: Scope, entries: Iterable[LogEntry], *, task_id: str, version: 
     devices that cannot afford it; they re-sync from a snapshot on a mismatch anyway.
     """
     entries = list(entries)
-    expected = version
-    for e in entries:
-        if e.task_id != task_id:
-            raise LogEntryMismatchError(
-                f"entry v{e.version} is for task {e.task_id!r}, not {task_id!r}")
-        if e.base_version != expected:
-            raise LogEntryMismatchError(
-                f"entry for v{e.base_version}->v{e.version} does not follow version {expected}"
-            )
-        e.validate()
-        expected = e.version
+    expected = check_entries(entries, task_id=task_id, version=version)
     if not entries:
         return version
     stash = Stash(scope) if verify and atomic else None

@@ -141,8 +141,8 @@ class ScalesOptions(ScopeOptions):
             raise ScopeOptionsError(f"scope 'scales': bits must be 4 or 8, got {self.bits}")
 
 
-Selection = Literal["threshold", "random", "full"]
-SELECTIONS: tuple[str, ...] = ("threshold", "random", "full")
+Selection = Literal["threshold", "random", "full", "none"]
+SELECTIONS: tuple[str, ...] = ("threshold", "random", "full", "none")
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,9 @@ class MaskConfig:
     epoch_rounds: int = 10
     seed: int = 0
     refresh_gamma: bool = True
+    #: A classifier task's float head (`classifier.weight`, `.bias`) trains too; it is
+    #: otherwise frozen at the prototypes of the label texts (and still carried in snapshots).
+    train_head: bool = False
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -173,6 +176,8 @@ class MaskConfig:
             raise ValueError(f"epoch_rounds must be >= 1, got {self.epoch_rounds}")
         if not 0 <= self.seed <= _UINT64_MAX:
             raise ValueError(f"mask seed must be a uint64, got {self.seed}")
+        if self.selection == "none" and not self.train_head:
+            raise ValueError("mask selection 'none' trains no latent: it needs train_head")
 
     def epoch_of(self, round_index: int) -> int:
         """The mask epoch a round belongs to (rounds counted from 0). The coordinator counts
@@ -193,7 +198,8 @@ class TernaryOptions(ScopeOptions):
     kind: ClassVar[str] = "ternary"
     selection: Selection = field(default="threshold", metadata=_help(
         "which latents train: 'threshold' (nearest the rounding threshold, TerMeZO), "
-        "'random' (a baseline) or 'full' (every latent; the device then holds them all)"))
+        "'random' (a baseline), 'full' (every latent; the device then holds them all) or "
+        "'none' (no latent: the classification head alone, with train_head)"))
     fraction: float = field(default=0.01, metadata=_help(
         "share of each matrix's latents in the mask, in (0, 1]"))
     epoch_rounds: int = field(default=10, metadata=_help(
@@ -201,6 +207,8 @@ class TernaryOptions(ScopeOptions):
     seed: int = field(default=0, metadata=_help("seed of the 'random' selection (a uint64)"))
     refresh_gamma: bool = field(default=True, metadata=_help(
         "recompute every gamma = mean |W| at each mask epoch (BitNet semantics)"))
+    train_head: bool = field(default=False, metadata=_help(
+        "seq_cls tasks: also train the float classification head with the masked latents"))
     act_bits: int | None = field(default=8, metadata=_help(
         "activation quantization bits of the BitLinear layers (None: float activations)"))
 

@@ -8,10 +8,12 @@ later scopes (`sparse`, `scales`, `ternary`) register a builder with `register_s
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +37,12 @@ class ScopedTensor:
     #: `tensor` holds only the covered elements, in `indices` order (a device that keeps just
     #: the masked latents of a matrix); z still comes from the whole tensor's stream at `indices`.
     compact: bool = False
+    #: c_t, the task's step scale for this tensor (`TaskSpec.step_scales`): the tensor is
+    #: theta0_t + c_t * phi_t with SPSA on phi, so a probe shows fl32(eps * c_t) * z and an
+    #: update adds fl32(coef * c_t) * z. One plan lr cannot suit a head weight and a body
+    #: tensor whose loss is far more sensitive; scaling the step alone is not enough, since the
+    #: scalar g is dominated by the sensitive directions unless their perturbation shrinks too.
+    step_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.compact and (self.indices is None or self.indices.numel() != self.tensor.numel()):
@@ -44,9 +52,25 @@ class ScopedTensor:
                 f"{self.tensor.numel()} elements"
             )
 
+        if not (math.isfinite(self.step_scale) and self.step_scale > 0):
+            raise ScopeError(f"{self.name}: step scale must be positive and finite, got "
+                             f"{self.step_scale}")
+
     @property
     def numel(self) -> int:
         return self.tensor.numel() if self.indices is None else int(self.indices.numel())
+
+    def scaled(self, s: float) -> float:
+        """The multiple of z this tensor sees for a plan-level probe scale or coefficient `s`:
+        s itself at c_t = 1 (so unscaled tasks keep their bits), else fl32(s * c_t), the
+        product in float64 rounded once."""
+        return s if self.step_scale == 1.0 else float(np.float32(float(s) * self.step_scale))
+
+    def scaled_coefs(self, coefs: Sequence[float]) -> Sequence[float]:
+        """`scaled` of each coefficient of an entry (the list itself at c_t = 1)."""
+        if self.step_scale == 1.0:
+            return coefs
+        return (np.asarray(coefs, dtype=np.float64) * self.step_scale).astype(np.float32).tolist()
 
     def values(self) -> torch.Tensor:
         """A flat float32 copy of the covered elements."""
@@ -84,6 +108,25 @@ class Scope:
         names = [t.name for t in self._tensors]
         if len(set(names)) != len(names):
             raise ScopeError(f"scope {self.kind!r} lists a tensor name twice")
+        # A scope that rebuilds its tensors (ternary mask epochs) keeps the task's step scales.
+        pairs: tuple[tuple[str, float], ...] = getattr(self, "_step_scales", ())
+        if pairs:
+            self._tensors = [replace(t, step_scale=step_scale_of(t.name, pairs))
+                             for t in self._tensors]
+
+    def set_step_scales(self, pairs: Sequence[tuple[str, float]]) -> None:
+        """Give each tensor the c_t of the first (substring, c) pair its name contains (1.0
+        when none does): `TaskSpec.step_scales`. A pair that names no tensor of the scope is
+        refused, so a typo cannot silently train at the wrong scale."""
+        pairs = tuple((str(pattern), float(c)) for pattern, c in pairs)
+        for pattern, _ in pairs:
+            if not any(pattern in t.name for t in self._tensors):
+                raise ScopeError(f"step scale pattern {pattern!r} matches no tensor of scope "
+                                 f"{self.kind!r} (tensors: {', '.join(self.names[:6])}"
+                                 f"{', ...' if len(self) > 6 else ''})")
+        self._step_scales = pairs
+        self._tensors = [replace(t, step_scale=step_scale_of(t.name, pairs))
+                         for t in self._tensors]
 
     def __iter__(self) -> Iterator[ScopedTensor]:
         return iter(self._tensors)
@@ -156,6 +199,11 @@ class Scope:
                 if p is not None and id(p) in wanted:
                     found.setdefault(id(p), []).append((module, attr))
         return found
+
+
+def step_scale_of(name: str, pairs: Sequence[tuple[str, float]]) -> float:
+    """c_t of tensor `name`: the scale of the first pattern it contains, else 1.0."""
+    return next((c for pattern, c in pairs if pattern in name), 1.0)
 
 
 ScopeBuilder = Callable[..., Scope]

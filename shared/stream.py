@@ -8,95 +8,40 @@ Contract (docs/protocol.md, section 1, "The perturbation stream"):
 - Element i takes bit (i mod 64) of word floor(i / 64); bit 0 -> +1, bit 1 -> -1.
 
 Only integer arithmetic defines z, so no CPU vector path or library version can change it
-(torch.randn and numpy's normal samplers differ between x86 and ARM). The fast path asks numpy's
-Philox bit generator for raw words, which is exactly this stream; `philox4x64_10` is an
-independent pure-Python implementation used to check it against the Random123 known answers.
+(torch.randn and numpy's normal samplers differ between x86 and ARM). Three implementations give
+the same bits: the C kernel (`zkernel`, built with the package: Philox and the additions of every
+seed of an entry fused into one pass over each tensor), the numpy path (numpy's Philox bit
+generator yields exactly this stream; the fallback without a compiler, and the kernel's
+reference), and `philox4x64_10`, an independent pure-Python Philox checked against the
+Random123 known answers.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-MASK64 = (1 << 64) - 1
-_M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
-_W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
-
-#: Elements covered by one Philox block (4 words x 64 bits).
-BLOCK_ELEMENTS = 256
-#: Elements expanded per chunk: 1 MiB of float32, small enough to stay in cache while every
-#: seed of a log entry is added to it, large enough that Python overhead is noise.
-CHUNK_ELEMENTS = 1 << 18
-assert CHUNK_ELEMENTS % BLOCK_ELEMENTS == 0  # chunks start on block boundaries (_add_dense)
-_MINUS_TWO, _ONE = np.int8(-2), np.int8(1)
-
-
-def tensor_id(name: str) -> int:
-    """First 8 bytes, little-endian, of SHA-256 of the canonical tensor name."""
-    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
+# The integer part of the stream is numpy-only and lives in `philox.py` (an inference-engine
+# device uses it without torch); it is re-exported here, its one definition.
+from .philox import BLOCK_ELEMENTS as BLOCK_ELEMENTS
+from .philox import CHUNK_ELEMENTS as CHUNK_ELEMENTS
+from .philox import MASK64 as MASK64
+from .philox import philox4x64_10 as philox4x64_10
+from .philox import signs_at, signs_i8
+from .philox import stream_gen as _stream_gen
+from .philox import stream_words as stream_words
+from .philox import stream_words_at as stream_words_at
+from .philox import tensor_id as tensor_id
+from .zkernel import KERNEL
 
 
-def philox4x64_10(counter: Sequence[int], key: Sequence[int]) -> tuple[int, int, int, int]:
-    """One Philox4x64-10 block in pure Python (reference implementation, Random123 spec)."""
-    c0, c1, c2, c3 = (int(v) & MASK64 for v in counter)
-    k0, k1 = (int(v) & MASK64 for v in key)
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + _W0) & MASK64, (k1 + _W1) & MASK64
-        p0, p1 = _M0 * c0, _M1 * c2
-        c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & MASK64
-    return c0, c1, c2, c3
-
-
-def _key(seed: int, tid: int) -> np.ndarray:
+def _check_seed(seed: int) -> None:
+    """The numpy path's seed check (a key word is a uint64), for the kernel's calls too."""
     if not 0 <= seed <= MASK64:
         raise ValueError(f"seed must be a uint64, got {seed}")
-    return np.array([seed, tid], dtype=np.uint64)
-
-
-def _stream_gen(seed: int, tid: int, first_block: int) -> np.random.Philox:
-    """A numpy Philox whose next `random_raw` words are block `first_block` onwards."""
-    # numpy's Philox increments its counter before each block, so starting it at `first_block`
-    # yields the block at counter first_block + 1: exactly block `first_block` of our stream.
-    counter = np.array([first_block, 0, 0, 0], dtype=np.uint64)
-    return np.random.Philox(counter=counter, key=_key(seed, tid))
-
-
-def stream_words(seed: int, tid: int, first_block: int, n_blocks: int) -> np.ndarray:
-    """Words of blocks [first_block, first_block + n_blocks) as little-endian uint64."""
-    return _stream_gen(seed, tid, first_block).random_raw(4 * n_blocks).astype("<u8", copy=False)
-
-
-def _mulhilo(a: int, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(high, low) 64-bit halves of a * b for a uint64 constant and a uint64 array."""
-    m32 = np.uint64(0xFFFFFFFF)
-    a_lo, a_hi = np.uint64(a & 0xFFFFFFFF), np.uint64(a >> 32)
-    b_lo, b_hi = b & m32, b >> np.uint64(32)
-    p0, p1, p2, p3 = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
-    mid = (p0 >> np.uint64(32)) + (p1 & m32) + (p2 & m32)
-    hi = p3 + (p1 >> np.uint64(32)) + (p2 >> np.uint64(32)) + (mid >> np.uint64(32))
-    return hi, a * b  # uint64 arrays wrap, which is the low half
-
-
-def stream_words_at(seed: int, tid: int, blocks: np.ndarray) -> np.ndarray:
-    """Words of arbitrary blocks (any order, vectorized Philox): shape (len(blocks), 4)."""
-    with np.errstate(over="ignore"):
-        c0 = np.asarray(blocks, dtype=np.uint64) + np.uint64(1)
-        c1 = np.zeros_like(c0)
-        c2 = np.zeros_like(c0)
-        c3 = np.zeros_like(c0)
-        k0, k1 = seed & MASK64, tid & MASK64
-        for r in range(10):
-            if r:
-                k0, k1 = (k0 + _W0) & MASK64, (k1 + _W1) & MASK64
-            hi0, lo0 = _mulhilo(_M0, c0)
-            hi1, lo1 = _mulhilo(_M1, c2)
-            c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
-    return np.stack([c0, c1, c2, c3], axis=1)
 
 
 @lru_cache(maxsize=1)
@@ -120,17 +65,28 @@ def _signs_i8(words: np.ndarray) -> torch.Tensor:
     instead of a gather of 32-byte rows), and an int8 operand costs the add less memory traffic;
     torch.add converts it to exactly +-1.0 in float32, so the sums are the same bits.
     """
-    z = np.unpackbits(words.astype("<u8", copy=False).view(np.uint8), bitorder="little")
-    z = z.view(np.int8)
-    np.multiply(z, _MINUS_TWO, out=z)  # bit 0/1 -> 0/-2
-    np.add(z, _ONE, out=z)  # -> +1/-1
-    return torch.from_numpy(z)
+    return torch.from_numpy(signs_i8(words))
 
 
 def _add_dense(dst: torch.Tensor, src: torch.Tensor, tid: int, seeds: Sequence[int],
                scales: Sequence[float]) -> None:
     """dst = src + scale * z(seed) for each seed in order, over flat float32 tensors of one
-    length (dst may be src). Each element sees exactly the additions of the naive loop."""
+    length (dst may be src). Each element sees exactly the additions of the naive loop.
+
+    `scales` are float32 values (one per seed; rounding them is the caller's rule). The C
+    kernel applies all seeds in one pass over memory, tile by tile in L1; the numpy path
+    chunk by chunk in L2. Both are the seed-by-seed order element by element."""
+    if KERNEL is not None:
+        for seed in seeds:
+            _check_seed(seed)
+        KERNEL.add_dense(dst, src, tid, seeds, np.asarray(scales, dtype=np.float32))
+        return
+    add_dense_numpy(dst, src, tid, seeds, scales)
+
+
+def add_dense_numpy(dst: torch.Tensor, src: torch.Tensor, tid: int, seeds: Sequence[int],
+                    scales: Sequence[float]) -> None:
+    """`_add_dense` without the C kernel: numpy's Philox, int8 signs and torch.add."""
     n = dst.numel()
     if not seeds:
         if dst.data_ptr() != src.data_ptr():
@@ -162,6 +118,30 @@ def perturbed(x: torch.Tensor, name: str, seed: int, scale: float) -> torch.Tens
     return out
 
 
+def tensor_words(seed: int, name: str, numel: int) -> np.ndarray:
+    """The stream words of a whole tensor (numel / 8 bytes): what `add_words` needs to apply
+    seed `seed` again without generating it (a ZO step's two probes and update)."""
+    _check_seed(seed)
+    n_blocks = -(-numel // BLOCK_ELEMENTS)
+    if KERNEL is not None:
+        return KERNEL.words(seed, tensor_id(name), 0, n_blocks)
+    return _stream_gen(seed, tensor_id(name), 0).random_raw(4 * n_blocks)
+
+
+def add_words(dst: torch.Tensor, src: torch.Tensor, words: np.ndarray, scale: float) -> None:
+    """dst = src + scale * z over flat float32 tensors (dst may be src), z from `tensor_words`
+    of the tensor: the bits of `_add_dense` with that seed (`scale` already float32)."""
+    if KERNEL is not None:
+        KERNEL.add_words(dst, src, words, scale)
+        return
+    n = dst.numel()
+    for start in range(0, n, CHUNK_ELEMENTS):  # the numpy path's chunks, z from the words
+        stop = min(n, start + CHUNK_ELEMENTS)
+        w = words[start // 64: -(-stop // 64)]
+        z = _signs_i8(w)[: stop - start]
+        torch.add(src[start:stop], z, alpha=scale, out=dst[start:stop])
+
+
 def perturbed_pair(x: torch.Tensor, name: str, seed: int, scale: float,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + scale z, x - scale z) with z generated once: each the bits of `perturbed`
@@ -172,6 +152,10 @@ def perturbed_pair(x: torch.Tensor, name: str, seed: int, scale: float,
     plus, minus = torch.empty_like(src), torch.empty_like(src)
     flat, fp, fm = src.view(-1), plus.view(-1), minus.view(-1)
     c = float(np.float32(scale))
+    if KERNEL is not None:
+        _check_seed(seed)
+        KERNEL.perturb_pair(flat, fp, fm, seed, tensor_id(name), c)
+        return plus, minus
     gen = _stream_gen(seed, tensor_id(name), 0)
     n = flat.numel()
     for start in range(0, n, CHUNK_ELEMENTS):  # the chunking of `_add_dense`, one seed
@@ -201,22 +185,7 @@ def rademacher(seed: int, name: str, numel: int, start: int = 0, stop: int | Non
 def rademacher_at(seed: int, name: str, indices: torch.Tensor | np.ndarray,
                   scale: float = 1.0) -> torch.Tensor:
     """scale * z at the given flat element indices, costing only the blocks they touch."""
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.size == 0:
-        return torch.zeros(0, dtype=torch.float32)
-    if idx.min() < 0:
-        raise ValueError(f"negative element index {int(idx.min())}")
-    blocks, inverse = np.unique(idx // BLOCK_ELEMENTS, return_inverse=True)
-    span = int(blocks[-1] - blocks[0] + 1)
-    if span <= 4 * len(blocks):  # dense enough: one contiguous run is cheaper
-        words = stream_words(seed, tensor_id(name), int(blocks[0]), span).reshape(span, 4)
-        words = words[blocks - blocks[0]]
-    else:
-        words = stream_words_at(seed, tensor_id(name), blocks)
-    bit = idx % BLOCK_ELEMENTS
-    word = words[inverse, bit // 64]
-    signs = ((word >> (bit % 64).astype(np.uint64)) & np.uint64(1)).astype(np.float32)
-    return torch.from_numpy(np.float32(scale) * (np.float32(1.0) - np.float32(2.0) * signs))
+    return torch.from_numpy(np.float32(scale) * signs_at(seed, name, np.asarray(indices)))
 
 
 def rademacher_rows(seed: int, name: str, row_len: int, rows: torch.Tensor | np.ndarray,
@@ -265,6 +234,16 @@ def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence
         if compact and indices.numel() != flat.numel():
             raise ValueError(f"{name}: compact tensor of {flat.numel()} elements, "
                              f"{indices.numel()} indices")
+        if KERNEL is not None and seeds:
+            idx = np.ascontiguousarray(indices.reshape(-1).numpy(), dtype=np.int64)
+            # The kernel writes through the indices: check them as index_add_ would.
+            if idx.size and (idx.min() < 0 or (not compact and idx.max() >= flat.numel())):
+                raise IndexError(f"{name}: index out of range for {flat.numel()} elements")
+            for seed in seeds:
+                _check_seed(seed)
+            KERNEL.add_indexed(flat, idx, compact, tid, seeds,
+                               np.asarray(scales, dtype=np.float32))
+            return
         for seed, c in zip(seeds, scales, strict=True):
             if compact:
                 flat.add_(rademacher_at(seed, name, indices, c))

@@ -16,9 +16,10 @@ from .aggregate import AggregationConfig
 from .scope_options import ScopeOptions, options_for
 
 #: Version of the TaskSpec JSON layout. 1: before `spec_version` existed (options an untyped
-#: object); 2: typed scope options (the same JSON object, validated per scope kind). A spec
-#: of an older version is read and upgraded; a newer one is refused.
-SPEC_VERSION = 2
+#: object); 2: typed scope options (the same JSON object, validated per scope kind); 3: per-tensor
+#: step scales (`step_scales`, empty before). A spec of an older version is read and upgraded;
+#: a newer one is refused.
+SPEC_VERSION = 3
 
 #: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
 #: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.probes`).
@@ -96,6 +97,11 @@ class TaskSpec:
     hyper: Hyper = field(default_factory=Hyper)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     max_seq_len: int = 128
+    #: (substring, c_t) pairs: a scoped tensor whose canonical name contains the substring
+    #: trains as theta0_t + c_t * phi_t (probes fl32(eps c_t) z, updates fl32(coef c_t) z;
+    #: `ScopedTensor.step_scale`); the first matching pair wins, unmatched tensors keep 1.0.
+    #: Lets one plan lr move a head and a far more sensitive body tensor at once.
+    step_scales: tuple[tuple[str, float], ...] = ()
     spec_version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -104,6 +110,7 @@ class TaskSpec:
                              "older specs with TaskSpec.from_dict, which upgrades them")
         # frozen: the typed form replaces what was given (a JSON object, None, or options)
         object.__setattr__(self, "scope_options", options_for(self.scope, self.scope_options))
+        object.__setattr__(self, "step_scales", _step_scales(self.step_scales))
         if self.model_kind not in ("causal_lm", "seq_cls"):
             raise ValueError(f"model_kind must be causal_lm or seq_cls, got {self.model_kind!r}")
         if self.format not in FORMATS:
@@ -115,18 +122,15 @@ class TaskSpec:
         if self.scope == "scales" and self.format not in ("int8", "int4"):
             # QZO trains the group scales of a quantized model: a float model has none.
             raise ValueError(f"scope 'scales' needs format int8 or int4, got {self.format!r}")
-        if self.scope == "lora" and self.format in ("int8", "int4"):
-            # peft wraps nn.Linear weights; an int8/int4 model's Linear layers are QuantLinear
-            # (packed codes + scales), which it cannot adapt. Refused here, before any round.
-            raise ValueError(f"scope 'lora' cannot adapt a {self.format} model's quantized "
-                             "Linear layers; train its scales (scope 'scales') or the head "
-                             "(scope 'named', patterns ['classifier'])")
-        if self.scope == "ternary" and self.model_kind != "causal_lm":
-            # A ternary device builds its packed model from a causal LM's config and weights
-            # (`shared.ternary.build_packed_model`); a classifier's head would need the fp32
-            # model's forward on the label texts.
-            raise ValueError("scope 'ternary' supports model_kind 'causal_lm' only, got "
-                             f"{self.model_kind!r}")
+        # scope 'lora' on int8/int4: the adapters are applied to the float model first and the
+        # base Linear layers under them quantized afterwards (QLoRA's layout: a quantized shared
+        # base, float adapters), so nothing needs refusing here (`shared.models.build_model`).
+        if self.scope == "ternary" and self.model_kind == "causal_lm" and \
+                getattr(self.scope_options, "train_head", False):
+            # A causal LM's head (lm_head) is no classification head; the latents train.
+            raise ValueError("scope 'ternary': train_head applies to seq_cls tasks only")
+        # A ternary seq_cls task: the coordinator sets the prototype head on the ternary
+        # forward and every snapshot carries it (`shared.ternary.build_packed_model`).
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the spec (scope options: only the fields off their default)."""
@@ -148,4 +152,24 @@ class TaskSpec:
         d["hyper"] = Hyper(**d.get("hyper", {}))
         d["aggregation"] = AggregationConfig(**d.get("aggregation", {}))
         d["label_texts"] = tuple(d.get("label_texts", ()))
+        # 2 -> 3: no step scales (every c_t = 1, the same bits as before).
+        d["step_scales"] = _step_scales(d.get("step_scales", ()))
         return cls(**d)
+
+
+def _step_scales(pairs: Any) -> tuple[tuple[str, float], ...]:
+    """Validated `TaskSpec.step_scales` from pairs or their JSON form (lists of two)."""
+    out: list[tuple[str, float]] = []
+    for pair in pairs or ():
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"step_scales entries are (pattern, scale) pairs, got {pair!r}")
+        pattern, c = pair
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"step scale pattern must be a non-empty string, got {pattern!r}")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (
+                math.isfinite(c) and c > 0):
+            raise ValueError(f"step scale of {pattern!r} must be positive and finite, got {c!r}")
+        out.append((pattern, float(c)))
+    if len({p for p, _ in out}) != len(out):
+        raise ValueError("step_scales names a pattern twice")
+    return tuple(out)

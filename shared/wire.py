@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import NonFiniteScalarError, WireFormatError
-from .replay import LogEntry
+from .npzo import LogEntry
 
 SCHEMA_VERSION = 1
 MAX_SEED = (1 << 53) - 1

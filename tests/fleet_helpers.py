@@ -42,6 +42,50 @@ def make_tiny_bert(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_sentence_bert(path: Path, seed: int = 0, layers: int = 2) -> Path:
+    """A sentence-transformers directory (BertModel + mean Pooling + Normalize) of a tiny
+    BERT with the word-level vocabulary of `make_tiny_bert`: the shape of the packaged MiniLM,
+    which a ternary classifier task and `seedfed ternarize` take."""
+    import json
+
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    words = SPECIAL + POSITIVE + NEGATIVE + FILLER
+    # transformers 5 reads a `vocab` mapping (a `vocab_file` alone leaves every word [UNK])
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True)
+    config = BertConfig(vocab_size=len(words), hidden_size=32,
+                        num_hidden_layers=layers, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=64)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    return path
+
+
+def ternary_cls_spec(model: Path, epoch_rounds: int = 2, **options: Any) -> TaskSpec:
+    """A ternary (TerMeZO) sentiment classifier on a sentence-transformers `model`: 5% masks,
+    a mask epoch every `epoch_rounds` versions, prototype head from two label texts."""
+    return TaskSpec(model_path=str(model), model_kind="seq_cls", num_labels=2,
+                    label_texts=("it was bad", "it was good"), scope="ternary",
+                    format="ternary", max_seq_len=16,
+                    scope_options={"fraction": 0.05, "epoch_rounds": epoch_rounds, **options},
+                    hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=4))
+
+
 def write_sentiment_tsv(path: Path, n: int = 600, seed: int = 0) -> Path:
     """`label<TAB>sentence` with a header: label 1 iff the sentence holds a positive word."""
     rng = np.random.default_rng(seed)

@@ -42,9 +42,11 @@ def run_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--steps", str(STEPS),
         "--perturbations", str(PERTURBATIONS), "--model", str(model), "--data", str(data),
         "--alpha", "1.0", "--scope", scope, "--eval-size", "40", "--batch-size", "8",
-        "--lr", "1e-3", "--eps", "1e-2", "--engine", engine, "--format", fmt, "--out", str(out)])
+        "--lr", "1e-3", "--eps", "1e-2", "--engine", engine, "--format", fmt, "--out", str(out),
+        "--eval-every", "1"])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert "seedfed simulate" in result.output  # the summary table was printed
+    assert "expected duration" in result.output  # measured before the first round
     return out
 
 
@@ -106,3 +108,62 @@ def test_run_directory_is_scored_by_seedfed_evaluate(run_dir: Path) -> None:
 
 def test_plot_is_a_png(run_dir: Path) -> None:
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- personalization: the per-device taste task, with and without personal parts ------------
+@pytest.fixture(scope="module")
+def taste_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Two in-process runs of the per-device taste task on the tiny model, the same seeds:
+    every device with a residual personal part, and none."""
+    from seedfed.simulate import SimulationConfig, run
+
+    root = tmp_path_factory.mktemp("sim-tastes")
+    model = make_tiny_bert(root / "model")
+    reports = {}
+    for personal in ("residual", "off"):
+        config = SimulationConfig(out=root / personal, devices=DEVICES, rounds=ROUNDS,
+                                  steps=STEPS, perturbations=PERTURBATIONS, model=str(model),
+                                  eval_size=40, batch_size=8, engine="inprocess",
+                                  eval_every=1, personal=personal)
+        reports[personal] = run(config).to_dict()
+        reports[personal]["png"] = (root / personal / "report.png").read_bytes()[:8]
+    return reports
+
+
+def test_the_default_task_is_the_per_device_taste_task() -> None:
+    from seedfed.simulate import SimulationConfig
+
+    config = SimulationConfig(out=Path("unused"))
+
+    assert (config.data, config.personal) == ("tastes", "residual")
+
+
+def test_the_report_lists_every_device_shared_personal_and_local_accuracy(
+        taste_runs: dict[str, dict]) -> None:
+    report = taste_runs["residual"]
+
+    devices = report["devices"]
+    assert len(devices) == DEVICES
+    for d in devices:
+        assert set(d) == {"device", "shared_accuracy", "personal_accuracy", "local_accuracy"}
+        assert all(0 <= d[k] <= 1 for k in d if k != "device")
+    summary = report["personalization"]
+    assert summary["devices"] == DEVICES
+    assert 0 <= summary["personal_accuracy_worst_decile"] <= summary["personal_accuracy_mean"]
+    assert report["rounds"][-1]["personal_accuracy_mean"] == pytest.approx(
+        summary["personal_accuracy_mean"])
+    assert report["png"] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_personalization_leaves_the_upload_bytes_unchanged(
+        taste_runs: dict[str, dict]) -> None:
+    personal, plain = taste_runs["residual"], taste_runs["off"]
+
+    # (each run's task has its own secret, so seeds and the shared model's values differ
+    # run to run; tests/client/test_personal_device.py shows the scalars are identical)
+    assert [r["upload_bytes"] for r in personal["rounds"]] == [
+        r["upload_bytes"] for r in plain["rounds"]]
+    assert [r["upload_bytes_per_device"] for r in personal["rounds"]] == [
+        r["upload_bytes_per_device"] for r in plain["rounds"]]
+    assert plain["personalization"] is None
+    assert all(d["personal_accuracy"] is None for d in plain["devices"])

@@ -27,6 +27,8 @@ MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 #: The work is repeated so an optimizer's lazily created state and a second step count too.
 STEPS = 2
 LR, EPS = 1e-6, 1e-3
+#: Seeds fused into one replay pass for `replay_fused_mparam_s` (issue 13).
+FUSED_SEEDS = 16
 
 
 def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
@@ -120,41 +122,57 @@ def measure_speed(shape_name: str, repeats: int) -> dict[str, object]:
 
 
 def measure_replay(numel: int, n_seeds: int, repeats: int) -> dict[str, object]:
-    from seedfed.shared.stream import add_seeds_
+    """Parameters x seeds per second of: plain axpy (the bandwidth limit of one pass per
+    seed), MeZO's torch regeneration, replay one seed per pass, and replay of FUSED_SEEDS
+    seeds fused into one pass (the C kernel; `numpy_fused` is the same call on the numpy
+    path, the fallback)."""
+    from seedfed.shared import stream
 
     gen = np.random.default_rng(0)
-    seeds = [int(s) for s in gen.integers(0, 2**63, size=n_seeds)]
-    coefs = [float(c) for c in gen.normal(0, 1e-4, size=n_seeds).astype(np.float32)]
+    seeds = [int(s) for s in gen.integers(0, 2**63, size=max(n_seeds, FUSED_SEEDS))]
+    coefs = [float(c) for c in gen.normal(0, 1e-4, size=len(seeds)).astype(np.float32)]
     x = torch.zeros(numel, dtype=torch.float32)
     y = torch.ones(numel, dtype=torch.float32)
     buf = torch.empty(numel, dtype=torch.float32)
+    tid = stream.tensor_id("bench.replay.weight")
 
     def axpy() -> None:  # y precomputed: only the memory traffic of x += c * y remains
-        for c in coefs:
+        for c in coefs[:n_seeds]:
             x.add_(y, alpha=c)
 
     def mezo() -> None:  # MeZO regenerates z with torch's generator for every seed
         g = torch.Generator()
-        for s, c in zip(seeds, coefs, strict=True):
+        for s, c in zip(seeds[:n_seeds], coefs[:n_seeds], strict=True):
             g.manual_seed(s)
             buf.normal_(generator=g)
             x.add_(buf, alpha=c)
 
-    def replay() -> None:
-        add_seeds_(x, "bench.replay.weight", seeds, coefs)
+    def replay() -> None:  # one seed per pass over the tensor
+        for s, c in zip(seeds[:n_seeds], coefs[:n_seeds], strict=True):
+            stream.add_seeds_(x, "bench.replay.weight", [s], [c])
 
-    variants = {"axpy": axpy, "mezo": mezo, "replay": replay}
+    def fused() -> None:
+        stream.add_seeds_(x, "bench.replay.weight", seeds[:FUSED_SEEDS], coefs[:FUSED_SEEDS])
+
+    def numpy_fused() -> None:
+        stream.add_dense_numpy(x, x, tid, seeds[:FUSED_SEEDS], coefs[:FUSED_SEEDS])
+
+    variants = {"axpy": axpy, "mezo": mezo, "replay": replay, "fused": fused,
+                "numpy_fused": numpy_fused}
+    work = {k: numel * (FUSED_SEEDS if "fused" in k else n_seeds) / 1e6 for k in variants}
     for fn in variants.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(repeats):
         for k, fn in variants.items():
             times[k].append(_timed(fn))
-    work = numel * n_seeds / 1e6
-    rate = {k: work / statistics.median(v) for k, v in times.items()}
-    return {"kind": "replay", "numel": numel, "seeds": n_seeds, "replay_mparam_s": rate["replay"],
+    rate = {k: work[k] / statistics.median(v) for k, v in times.items()}
+    return {"kind": "replay", "numel": numel, "seeds": n_seeds, "fused_seeds": FUSED_SEEDS,
+            "replay_mparam_s": rate["replay"], "replay_fused_mparam_s": rate["fused"],
+            "replay_numpy_fused_mparam_s": rate["numpy_fused"],
             "mezo_replay_mparam_s": rate["mezo"], "axpy_mparam_s": rate["axpy"],
-            "samples": times, "threads": torch.get_num_threads()}
+            "kernel": stream.KERNEL is not None, "samples": times,
+            "threads": torch.get_num_threads()}
 
 
 def _parser() -> argparse.ArgumentParser:

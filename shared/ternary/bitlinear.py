@@ -216,7 +216,12 @@ def from_hf_bitlinear(module: Any, act_bits: int | None = 8) -> BitLinear:
     return m
 
 
-def convert_to_bitlinear(model: nn.Module, skip: tuple[str, ...] = ("lm_head",),
+#: Output heads that stay in full precision when a model is ternarized (BitNet keeps the LM
+#: head so; a classifier's head is a few hundred weights that the prototypes initialize).
+HEAD_NAMES: tuple[str, ...] = ("lm_head", "classifier", "score")
+
+
+def convert_to_bitlinear(model: nn.Module, skip: tuple[str, ...] = HEAD_NAMES,
                          act_bits: int | None = 8) -> list[str]:
     """Replace every Linear (and transformers BitNet BitLinear/AutoBitLinear) by a latent-form
     BitLinear, in place; returns the converted module paths. Layers whose last name component

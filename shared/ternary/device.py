@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from ..replay import state_checksum
-from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
+from .bitlinear import HEAD_NAMES, BitLinear, bitlinear_modules, convert_to_bitlinear
 from .errors import TernaryChecksumError, TernaryFormatError
 from .mask import MaskConfig
-from .scope import TernaryScope, _scope
+from .scope import TernaryScope, _scope, head_parameters
 from .snapshot import _LAYER_PARTS, _assign_rest, _fill_layer, empty_init
 
 #: What the error messages call a snapshot that did not come from a file.
@@ -44,7 +44,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
-                       skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+                       skip: tuple[str, ...] = HEAD_NAMES, model_kind: str = "causal_lm",
+                       num_labels: int = 2) -> nn.Module:
     """A causal LM's device model, built from its Hugging Face directory without its fp32
     ternary matrices.
 
@@ -54,6 +55,10 @@ def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
     safetensors weights, floats as float32 (what `AutoModelForCausalLM.from_pretrained(...,
     dtype=torch.float32)` gives), tied weights tied; buffers no file holds keep the values
     the model computes at construction.
+
+    `model_kind="seq_cls"` builds a sentence-transformers directory's classifier the way
+    `shared.models.load_base` does (`MeanPoolClassifier`: encoder, mean pooling, head); its
+    float head stays empty too, until the snapshot (which always carries it) fills it.
     """
     import transformers
 
@@ -61,16 +66,14 @@ def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     config = transformers.AutoConfig.from_pretrained(path)
+    if model_kind == "seq_cls":
+        return _packed_classifier(path, config, act_bits=act_bits, skip=skip,
+                                  num_labels=num_labels)
     with empty_init(keep_buffers=True):
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(config,
                                                                          dtype=torch.float32)
     # The same layer set as the coordinator's conversion (on meta: no latents, no gamma).
-    for name in convert_to_bitlinear(model, skip=skip, act_bits=act_bits):
-        old = model.get_submodule(name)
-        assert isinstance(old, BitLinear)
-        model.set_submodule(name, BitLinear(old.in_features, old.out_features,
-                                            bias=old.bias is not None, act_bits=act_bits))
-    layers = {n for n, _ in bitlinear_modules(model)}
+    layers = _empty_bitlinears(model, skip, act_bits)
     named: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
     named += list(model.named_buffers(remove_duplicate=False))
     wanted = {n for n, _ in named if n.rpartition(".")[0] not in layers}
@@ -78,6 +81,60 @@ def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def _empty_bitlinears(model: nn.Module, skip: tuple[str, ...], act_bits: int | None) -> set[str]:
+    """Replace the Linear layers the coordinator converts by empty packed BitLinear modules."""
+    for name in convert_to_bitlinear(model, skip=skip, act_bits=act_bits):
+        old = model.get_submodule(name)
+        assert isinstance(old, BitLinear)
+        model.set_submodule(name, BitLinear(old.in_features, old.out_features,
+                                            bias=old.bias is not None, act_bits=act_bits))
+    return {n for n, _ in bitlinear_modules(model)}
+
+
+def _packed_classifier(path: Path, config: Any, *, act_bits: int | None,
+                       skip: tuple[str, ...], num_labels: int) -> nn.Module:
+    """`build_packed_model` of a sentence-transformers classifier (mean pooling + head)."""
+    import transformers
+
+    from ..models import MeanPoolClassifier, sentence_pooling
+
+    pooling = sentence_pooling(path)
+    if pooling is None:
+        raise TernaryFormatError(f"{path}: a ternary classifier needs a mean-pooling "
+                                 "sentence-transformers directory (modules.json)")
+    with empty_init(keep_buffers=True):
+        encoder = transformers.AutoModel.from_config(config, dtype=torch.float32,
+                                                     add_pooling_layer=False)
+        model = MeanPoolClassifier(encoder, num_labels, pooling.normalize)
+    layers = _empty_bitlinears(model, skip, act_bits)
+    # The encoder's own tensors, by their names in the base file (which holds no head).
+    prefix = "encoder."
+    named = list(model.encoder.named_parameters(remove_duplicate=False))
+    named += list(model.encoder.named_buffers(remove_duplicate=False))
+    wanted = {n for n, _ in named if f"{prefix}{n}".rpartition(".")[0] not in layers}
+    found = _read_base_tensors(path, wanted | {f"{config.model_type}.{n}" for n in wanted})
+    rest = {n.split(".", 1)[1] if n not in wanted else n: t for n, t in found.items()}
+    _assign_encoder(model.encoder, rest, path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _assign_encoder(encoder: nn.Module, tensors: Mapping[str, torch.Tensor], where: Path) -> None:
+    """`_assign_rest` for an encoder whose BitLinear layers are still empty (meta-free)."""
+    for name, value in tensors.items():
+        parent, _, attr = name.rpartition(".")
+        module = encoder.get_submodule(parent) if parent else encoder
+        if attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        elif attr in module._buffers:
+            module._buffers[attr] = value
+    left = [n for n, t in list(encoder.named_parameters()) + list(encoder.named_buffers())
+            if t.is_meta]
+    if left:
+        raise TernaryFormatError(f"{where}: the base weights lack tensors {left[:5]}")
 
 
 def _read_base_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
@@ -122,7 +179,8 @@ def published_state(tensors: Mapping[str, torch.Tensor],
         if values is None:
             raise TernaryFormatError(f"{SOURCE}: layer {name} carries no latents (an "
                                      "inference-only snapshot cannot train)")
-        state[f"{name}.weight"] = values.reshape(-1)
+        if values.numel() or f"{name}.mask" not in tensors:
+            state[f"{name}.weight"] = values.reshape(-1)  # (an empty mask covers nothing)
     return state
 
 
@@ -143,12 +201,23 @@ def load_published_ternary(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         raise TernaryFormatError(f"{type(model).__name__} has no BitLinear layers; build the "
                                  "task's model (scope 'ternary' converts it) first")
     layer_names = {n for n, _ in layers}
-    stray = sorted(k for k in tensors if k.rpartition(".")[0] not in layer_names
-                   or k.rpartition(".")[2] not in _LAYER_PARTS)
+    heads = dict(head_parameters(model))
+    stray = sorted(k for k in tensors if k not in heads and (
+        k.rpartition(".")[0] not in layer_names or k.rpartition(".")[2] not in _LAYER_PARTS))
     if stray:
         raise TernaryFormatError(f"{SOURCE}: tensors {stray[:5]} belong to no BitLinear of "
                                  f"{type(model).__name__}")
+    missing = sorted(set(heads) - set(tensors))
+    if missing:
+        raise TernaryFormatError(f"{SOURCE}: lacks the classification head {missing}")
+    for name, p in heads.items():
+        if tensors[name].shape != p.shape or tensors[name].dtype != torch.float32:
+            raise TernaryFormatError(f"{SOURCE}: {name} is {tuple(tensors[name].shape)} "
+                                     f"{tensors[name].dtype}, the model needs "
+                                     f"{tuple(p.shape)} float32")
     state = published_state(tensors, layers)
+    if config.train_head:
+        state.update({name: tensors[name].reshape(-1) for name in heads})
     if expected_checksum is not None:
         got = state_checksum(state)
         if got != expected_checksum:
@@ -157,7 +226,7 @@ def load_published_ternary(model: nn.Module, tensors: Mapping[str, torch.Tensor]
     # Fill fresh layers first (each checks codes, shapes and mask order), then swap them in:
     # a bad layer anywhere raises before the model changes.
     fresh: list[tuple[str, BitLinear]] = []
-    remaining = dict(tensors)
+    remaining = {k: v for k, v in tensors.items() if k not in heads}
     for name, old in layers:
         m = BitLinear(old.in_features, old.out_features, bias=old.bias is not None,
                       act_bits=old.act_bits)
@@ -166,4 +235,8 @@ def load_published_ternary(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         fresh.append((name, m))
     for name, m in fresh:
         model.set_submodule(name, m)
+    for name, value in ((n, tensors[n]) for n in heads):
+        parent, _, attr = name.rpartition(".")
+        model.get_submodule(parent)._parameters[attr] = nn.Parameter(
+            value.detach().clone(), requires_grad=False)
     return _scope(model, config, epoch)

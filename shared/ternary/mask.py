@@ -80,6 +80,8 @@ def choose_mask(config: MaskConfig, w: torch.Tensor, gamma: torch.Tensor, name: 
     """The mask `config` selects for latent matrix `w` (None: every element trains)."""
     if config.selection == "full":
         return None
+    if config.selection == "none":  # the float head alone trains (train_head)
+        return torch.empty(0, dtype=torch.int32)
     if config.selection == "random":
         return random_mask(w.numel(), config.fraction, config.seed, name, epoch)
     return threshold_mask(w, gamma, config.fraction)

@@ -79,8 +79,15 @@ class TernaryScope(Scope):
             out[f"{name}.gamma"] = m.gamma.reshape(1)
             if m.mask is not None:
                 out[f"{name}.mask"] = m.mask
+        for t in self._float_tensors():  # a trained classification head (`train_head`)
+            out[t.name] = t.tensor.detach()
         out[EPOCH_KEY] = torch.tensor([self.epoch], dtype=torch.int64)
         return out
+
+    def _float_tensors(self) -> list[ScopedTensor]:
+        """The scope's tensors that are no BitLinear's latents (a trained float head)."""
+        layers = {name for name, _ in bitlinear_modules(self.model)}
+        return [t for t in self if t.name.rpartition(".")[0] not in layers]
 
     def load_master_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore what `master_state` wrote: every part is checked before any layer changes.
@@ -97,6 +104,12 @@ class TernaryScope(Scope):
         layers = bitlinear_modules(self.model)
         parts = {name: _master_parts(name, m, state) for name, m in layers}
         known = {f"{name}.{p}" for name in parts for p in ("weight", "gamma", "mask")}
+        floats = self._float_tensors()
+        for t in floats:
+            if t.name not in state or state[t.name].numel() != t.tensor.numel():
+                raise MissingTensorError(f"master state lacks {t.name} ({t.tensor.numel()} "
+                                         "values)")
+        known |= {t.name for t in floats}
         extra = sorted(set(state) - known - {EPOCH_KEY})
         if extra:
             raise MissingTensorError(f"master state holds tensors this model lacks: {extra[:5]}")
@@ -108,10 +121,12 @@ class TernaryScope(Scope):
                 m.gamma = gamma.reshape(()).clone()
                 m.mask = None if mask is None else mask.reshape(-1).to(torch.int32).clone()
                 m.mask_epoch = epoch
+            for t in floats:
+                t.tensor.data.copy_(state[t.name].reshape(t.tensor.shape))
         self._rebind(epoch)
 
     def _rebind(self, epoch: int) -> None:
-        Scope.__init__(self, self.model, _scoped_tensors(self.model))
+        Scope.__init__(self, self.model, _scoped_tensors(self.model, self.config))
         self.epoch = epoch
 
     def device_bytes(self) -> dict[str, int]:
@@ -171,10 +186,30 @@ def _master_parts(name: str, m: BitLinear, state: Mapping[str, torch.Tensor],
     return weight.reshape(m.out_features, m.in_features), gamma, mask
 
 
-def _scoped_tensors(model: nn.Module) -> list[ScopedTensor]:
+#: The float classification heads `train_head` adds to the scope (module name, last part).
+CLASS_HEADS = ("classifier", "score")
+
+
+def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The float classification head's parameters (`classifier.weight`, `.bias`), by name."""
+    return [(f"{mod_name}.{p_name}", p) for mod_name, mod in model.named_modules()
+            if mod_name.rsplit(".", 1)[-1] in CLASS_HEADS and isinstance(mod, nn.Linear)
+            for p_name, p in mod.named_parameters(recurse=False)]
+
+
+def _scoped_tensors(model: nn.Module, config: MaskConfig | None = None) -> list[ScopedTensor]:
     tensors = []
-    for name, m in bitlinear_modules(model):
+    if config is not None and config.train_head:
+        head = head_parameters(model)
+        if not head:
+            raise ScopeError(f"scope 'ternary': train_head, but {type(model).__name__} has no "
+                             f"float classification head ({'/'.join(CLASS_HEADS)})")
+        tensors += [ScopedTensor(n, p) for n, p in head]
+    layers = bitlinear_modules(model)
+    for name, m in layers:
         canonical = f"{name}.weight"
+        if m.mask is not None and m.mask.numel() == 0:
+            continue  # selection 'none': this layer's latents stay frozen
         if m.latent is not None:
             tensors.append(ScopedTensor(canonical, m.latent, m.mask, compact=True))
         elif m.weight is not None:
@@ -186,7 +221,7 @@ def _scoped_tensors(model: nn.Module) -> list[ScopedTensor]:
 
 
 def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
-    return TernaryScope(model, _scoped_tensors(model), config, epoch)
+    return TernaryScope(model, _scoped_tensors(model, config), config, epoch)
 
 
 @register_epochs("ternary")

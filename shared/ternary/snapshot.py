@@ -77,10 +77,16 @@ def publish_ternary(state: Mapping[str, torch.Tensor], scope: Scope | None,
     (canonical name `<path>.weight` -> covered values)."""
     if scope is None:
         raise TernaryFormatError("the ternary format needs the live scope (its model's layers)")
+    from .scope import head_parameters
+
     out: dict[str, torch.Tensor] = {}
     for name, m in bitlinear_modules(scope.model):
         values = state.get(f"{name}.weight")
         out.update(layer_tensors(name, m, with_latents=True, latent_values=values))
+    # A classifier's float head travels with every snapshot: a device builds its model
+    # without it (the prototypes need the coordinator's forward), trained or frozen alike.
+    for name, p in head_parameters(scope.model):
+        out[name] = state.get(name, p.detach()).reshape(p.shape).float().clone()
     return out
 
 

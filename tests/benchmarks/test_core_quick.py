@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REQUIRED = ("inference_peak_mb", "zo_step_peak_mb", "sgd_peak_mb", "adamw_peak_mb", "forward_s",
-            "zo_step_s", "replay_mparam_s", "mezo_replay_mparam_s", "axpy_mparam_s")
+            "zo_step_s", "replay_mparam_s", "replay_fused_mparam_s",
+            "replay_numpy_fused_mparam_s", "mezo_replay_mparam_s", "axpy_mparam_s")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,11 @@ def test_quick_bench_ratios_and_targets_follow_from_the_figures(quick_result):
     r = quick_result
     assert r["replay_vs_axpy"] == pytest.approx(r["replay_mparam_s"] / r["axpy_mparam_s"])
     assert r["replay_vs_mezo"] == pytest.approx(r["replay_mparam_s"] / r["mezo_replay_mparam_s"])
+    assert r["replay_fused_vs_axpy"] == pytest.approx(r["replay_fused_mparam_s"]
+                                                      / r["axpy_mparam_s"])
     assert r["zo_step_vs_forward"] == pytest.approx(r["zo_step_s"] / r["forward_s"])
     assert r["zo_vs_inference_mem"] == pytest.approx(r["zo_step_peak_mb"] / r["inference_peak_mb"])
     assert set(r["targets"]) == {"zo_vs_inference_mem", "zo_step_vs_forward", "replay_vs_mezo",
-                                 "replay_vs_axpy"}
+                                 "replay_vs_axpy", "replay_fused_vs_axpy"}
+    assert r["replay_fused_seeds"] == 16
     assert r["shape"]["name"] == "llama-quick" and r["quick"] is True

@@ -115,3 +115,23 @@ def test_run_fleet_in_process_writes_its_report(task: dict) -> None:
 def test_run_fleet_needs_a_way_to_the_coordinator(task: dict) -> None:
     with pytest.raises(Exception, match="coordinator-url"):
         run_fleet(task["grid"], {"task-id": task["task"]})
+
+
+def test_sync_every_skips_the_sync_phase_between_and_ends_on_the_same_state(
+        task: dict) -> None:
+    # Rounds 1 and 3 of 4 skip the sync phase: the devices replay the entry they missed with
+    # their next plan instead, so the fleet trains the same versions and ends in sync.
+    strategy = SeedfedStrategy(task["coord"], task["task"],
+                               FleetConfig(min_devices=2, quorum=2, sync_every=2, final_round=4))
+
+    strategy.start(task["grid"], ArrayRecord(), num_rounds=4, timeout=60)
+
+    status = task["coord"].task_status(task["task"])
+    assert [r.synced for r in strategy.history] == [0, 2, 0, 2]
+    assert [r.version for r in strategy.history] == [1, 2, 3, 4]
+    assert set(strategy.history[-1].device_checksums.values()) == {status.checksum}
+
+
+def test_fleet_config_refuses_a_sync_interval_below_one() -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        FleetConfig(sync_every=0)

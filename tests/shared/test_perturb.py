@@ -1,9 +1,13 @@
 import pytest
 import torch
+from seedfed.shared import perturb, replay
+from seedfed.shared.estimator import ZOConfig, spsa_step
 from seedfed.shared.perturb import Perturber, resolve_mode
 from seedfed.shared.replay import checksum
 from seedfed.shared.scopes import build_scope
 from seedfed.shared.stream import rademacher
+
+from .conftest import tiny_llama
 
 
 def _loss(model, batch):
@@ -78,3 +82,39 @@ def test_virtual_probe_perturbs_embedding_rows_without_swapping_the_weight(llama
     hook.remove()
     assert seen["ptr"] == emb.weight.data_ptr()  # the stored matrix was never swapped
     assert torch.equal(got, expected)
+
+
+def test_virtual_step_generates_each_tensors_z_once_and_keeps_the_bits(llama, token_batch,
+                                                                       monkeypatch):
+    # One seed per step: its +eps probe, its -eps probe and the update share one generation
+    # of z per tensor (issue 13), and the step ends on the bits of the copy strategy.
+    generated: dict[str, int] = {}
+    real = perturb.tensor_words
+
+    def counting(seed, name, numel):
+        generated[name] = generated.get(name, 0) + 1
+        return real(seed, name, numel)
+
+    monkeypatch.setattr(perturb, "tensor_words", counting)
+    regenerated: list[str] = []  # tensors whose update generated z again
+    real_add = replay.add_seeds_
+
+    def recording(x, name, seeds, coefs, indices=None, compact=False):
+        if seeds:
+            regenerated.append(name)
+        return real_add(x, name, seeds, coefs, indices, compact)
+
+    monkeypatch.setattr(replay, "add_seeds_", recording)
+    virtual, copy = build_scope("full", llama), build_scope("full", tiny_llama())
+    config = ZOConfig(lr=1e-2, eps=1e-3, perturbations=1)
+
+    spsa_step(virtual, lambda: float(_loss(llama, token_batch)), [77], config,
+              Perturber(virtual, "virtual"))
+    virtual_regenerated = set(regenerated)
+    copy_model = copy.model
+    spsa_step(copy, lambda: float(_loss(copy_model, token_batch)), [77], config,
+              Perturber(copy, "copy"))
+
+    assert generated and set(generated.values()) == {1}
+    assert not virtual_regenerated & set(generated)  # the update reused every cached z
+    assert checksum(virtual) == checksum(copy)

@@ -102,7 +102,14 @@ def test_every_option_field_says_what_it_does() -> None:
     # Assert
     assert all(text for fields in helps.values() for text in fields.values())
     assert set(helps["TernaryOptions"]) == {"selection", "fraction", "epoch_rounds", "seed",
-                                            "refresh_gamma", "act_bits"}
+                                            "refresh_gamma", "train_head", "act_bits"}
+
+
+def test_ternary_selection_none_needs_the_head() -> None:
+    with pytest.raises(ScopeOptionsError, match="needs train_head"):
+        TernaryOptions(selection="none")
+
+    assert TernaryOptions(selection="none", train_head=True).mask.train_head
 
 
 def test_a_newer_spec_version_is_refused() -> None:

@@ -35,7 +35,3 @@ def test_probe_settings_round_trip_through_the_task_dict() -> None:
     assert TaskSpec.from_dict(spec.to_dict()) == spec
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_lora_scope_is_refused_on_a_quantized_format(fmt: str) -> None:
-    with pytest.raises(ValueError, match="cannot adapt"):
-        TaskSpec(model_path="m", scope="lora", format=fmt)  # type: ignore[arg-type]

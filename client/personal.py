@@ -1,0 +1,398 @@
+"""A device's personal part: a small head of its own, trained by ZO on its own data, never sent.
+
+The shared model (what the fleet trains and the coordinator publishes) stays the one every device
+syncs to. On top of it a device keeps parameters that live only on the device, chosen by
+measurement (docs/personalization.md) among three forms of one thing, a linear map from the
+features the shared head sees to the class logits:
+
+- `residual` (the default): logits = shared head(f) + personal residual(f). The residual starts
+  at zero and is pulled back to zero by an L2 penalty, so a device with no personal signal
+  scores exactly the shared model, and every later shared version reaches the device at once
+  (the residual is added to whatever the device syncs to).
+- `ditto`: a personal copy of the head, initialized from the shared head when the device first
+  trains and regularized towards the current shared head (Ditto, Li et al. 2021).
+- `fedper`: a personal copy of the head, initialized from the shared head once and then trained
+  freely (FedPer / FedRep: shared body, personal head); it no longer follows the fleet.
+
+A device also trains a *local-only* head (from the task's prototype head, on its own data only,
+with the same ZO budget): the evaluation's reference for "what this device could learn alone".
+
+Training is ZO (SPSA with Rademacher directions) like the shared steps, but on the head's input
+features only: one forward of a batch through the frozen model (a sentence-transformers model
+answers it from its feature cache) and 2P probes that are one small matrix product each. The
+features of one batch at a time are held, so a device stays at inference memory.
+
+The personal state (safetensors) carries the task id and a fingerprint of the model it was
+trained on; a state of another task, another model or a corrupt file is refused with a clear
+message and rebuilt from scratch, never applied, and the shared state is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+from seedfed.shared.errors import ScopeError, SeedfedError
+from seedfed.shared.models import ModelBundle, classifier_module
+from torch import nn
+
+from . import data as data_mod
+
+log = logging.getLogger(__name__)
+
+#: The personal forms (see the module docstring); "off": no personal part.
+METHODS: tuple[str, ...] = ("residual", "ditto", "fedper", "off")
+#: `format` in a personal state file's metadata.
+FORMAT = "seedfed-personal/1"
+#: Texts per forward when computing features for the personal head (the batch a device
+#: scores its held-out set with, `device_data.local_accuracy`: no larger activations).
+FEATURE_BATCH = 32
+
+
+class PersonalStateError(SeedfedError, ValueError):
+    """A stored personal state that this device must not apply (another task or model,
+    another method, corrupt)."""
+
+
+@dataclass(frozen=True)
+class PersonalConfig:
+    """How a device trains its personal part (device-side settings; never part of the task).
+
+    Defaults measured on the per-device-taste task's validation split
+    (benchmarks/personalization.py, docs/personalization.md)."""
+
+    method: str = "residual"
+    steps: int = 16  # ZO steps per round the device trains in
+    perturbations: int = 16
+    lr: float = 2.0
+    eps: float = 1e-2
+    batch_size: int = 32
+    decay: float = 1e-3  # L2 pull: residual towards 0, ditto towards the shared head
+    reference: bool = True  # also train the local-only reference head
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"personal method must be one of {METHODS}, got {self.method!r}")
+        for name in ("steps", "perturbations", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.decay) and self.decay >= 0):
+            raise ValueError(f"decay must be >= 0, got {self.decay}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass(frozen=True)
+class PersonalScores:
+    """One device's held-out accuracies: the shared model, shared + personal, local only."""
+
+    shared: float
+    personal: float
+    local: float | None
+    examples: int
+
+
+class Head:
+    """A linear map features -> logits as one flat float32 vector (weight rows, then bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.labels, self.hidden = weight.shape
+        self.theta = torch.cat([weight.reshape(-1), bias.reshape(-1)]).float().clone()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.theta[: self.labels * self.hidden].view(self.labels, self.hidden)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.theta[self.labels * self.hidden:]
+
+
+def head_module(model: nn.Module) -> nn.Linear:
+    """The Linear layer that produces the logits in a forward: the classifier, or under peft
+    (a LoRA task whose head trains) its `modules_to_save` copy."""
+    try:
+        return classifier_module(model)
+    except ScopeError:
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and name.endswith(
+                    ("classifier.modules_to_save.default", "score.modules_to_save.default")):
+                return mod
+        raise
+
+
+def shared_head(model: nn.Module) -> Head:
+    """The shared model's head as it stands (the version the device synced to)."""
+    head = head_module(model)
+    bias = head.bias if head.bias is not None else torch.zeros(head.out_features)
+    return Head(head.weight.detach(), bias.detach())
+
+
+def _logits(theta: torch.Tensor, feats: torch.Tensor, labels: int) -> torch.Tensor:
+    """Logits of one head vector (..., L*H + L) on features (B, H): (..., B, L)."""
+    hidden = feats.shape[1]
+    w = theta[..., : labels * hidden].reshape(*theta.shape[:-1], labels, hidden)
+    b = theta[..., labels * hidden:]
+    return torch.matmul(feats, w.transpose(-1, -2)) + b.unsqueeze(-2)
+
+
+@torch.no_grad()
+def features(bundle: ModelBundle, examples: data_mod.Examples,
+             batch_size: int = FEATURE_BATCH) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(features the head sees, labels) of the examples, one batch at a time, in order."""
+    head = head_module(bundle.model)
+    captured: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _m, args, _o: captured.append(args[0].detach()))
+    try:
+        for batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
+                                           bundle.spec.max_seq_len):
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            captured.clear()
+            bundle.model(**inputs)
+            feats = captured[-1].float()
+            yield feats.reshape(-1, feats.shape[-1]), batch["labels"]
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def model_fingerprint(bundle: ModelBundle, prototype: Head) -> str:
+    """What a personal state was trained on: the task's model kind, labels and label texts,
+    the shape and a sample of the exact values of every frozen parameter (the tensors the
+    shared scope does not train: another base model differs there) and the prototype head,
+    rounded so that a kernel's float noise does not matter. No arithmetic on the weights: a
+    float64 sum of a large embedding matrix would cost a device more memory than its personal
+    part, and float32 sums depend on the thread count."""
+    spec = bundle.spec
+    trained = {t.tensor.data_ptr() for t in bundle.scope}
+    head_ptrs = {p.data_ptr() for p in head_module(bundle.model).parameters()}
+    frozen = [[name, list(p.shape), _sample(p)]
+              for name, p in bundle.model.named_parameters()
+              if p.data_ptr() not in trained and p.data_ptr() not in head_ptrs]
+    desc = {"model_kind": spec.model_kind, "num_labels": spec.num_labels,
+            "label_texts": list(spec.label_texts), "hidden": prototype.hidden,
+            "frozen": frozen,
+            "prototype": [float(f"{v:.3g}") for v in prototype.theta.tolist()]}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+def _sample(t: torch.Tensor, n: int = 64) -> str:
+    """SHA-256 of the exact bytes of n evenly strided elements of a tensor (a strided view
+    and an n-element copy: nothing of the tensor's size)."""
+    flat = t.detach().reshape(-1)
+    picked = flat[:: max(1, flat.numel() // n)][:n].contiguous()
+    return hashlib.sha256(picked.numpy().tobytes()).hexdigest()[:16]
+
+
+class PersonalPart:
+    """A device's personal head and its local-only reference, trained and scored by ZO."""
+
+    def __init__(self, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> None:
+        if not config.enabled:
+            raise ValueError("a PersonalPart needs a personal method, not 'off'")
+        self.config, self.bundle, self.task_id = config, bundle, task_id
+        # Built before any snapshot is loaded: the head is still the task's prototype head
+        # (computed by build_model on both sides), the local-only reference's start.
+        self.prototype = shared_head(bundle.model)
+        self.fingerprint = model_fingerprint(bundle, self.prototype)
+        self.personal: Head | None = None
+        self.local: Head | None = None
+        self.rounds = 0
+        self.refused: str | None = None  # why the last stored state was refused, if it was
+
+    # -- state ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the personal part (and the reference): the device scores the shared model."""
+        self.personal = self.local = None
+        self.rounds = 0
+
+    def to_bytes(self) -> bytes:
+        """The personal state (an untrained or reset part: a file with no tensors, so a
+        reset overwrites what a store kept)."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.personal is not None:
+            tensors["personal"] = self.personal.theta
+        if self.local is not None:
+            tensors["local"] = self.local.theta
+        meta = {"format": FORMAT, "task": self.task_id, "fingerprint": self.fingerprint,
+                "method": self.config.method, "rounds": str(self.rounds),
+                "labels": str(self.prototype.labels), "hidden": str(self.prototype.hidden)}
+        return save(tensors, metadata=meta)
+
+    def load_bytes(self, data: bytes) -> None:
+        """Apply a stored personal state, or raise PersonalStateError and keep none."""
+        try:
+            tensors = load(data)
+            meta = _metadata(data)
+        except (SafetensorError, ValueError, KeyError, json.JSONDecodeError) as e:
+            raise PersonalStateError(f"personal state is corrupt ({e})") from e
+        if meta.get("format") != FORMAT:
+            raise PersonalStateError(f"personal state has format {meta.get('format')!r}, "
+                                     f"not {FORMAT!r}")
+        if meta.get("task") != self.task_id:
+            raise PersonalStateError(f"personal state belongs to task {meta.get('task')!r}, "
+                                     f"not {self.task_id!r}")
+        if meta.get("fingerprint") != self.fingerprint:
+            raise PersonalStateError("personal state was trained on another model (its "
+                                     "fingerprint differs from this device's model)")
+        if meta.get("method") != self.config.method:
+            raise PersonalStateError(f"personal state is a {meta.get('method')!r} part, this "
+                                     f"device trains {self.config.method!r}")
+        size = self.prototype.theta.numel()
+        heads: dict[str, Head] = {}
+        for name, theta in tensors.items():
+            if name not in ("personal", "local") or theta.dtype != torch.float32 \
+                    or theta.shape != (size,) or not bool(torch.isfinite(theta).all()):
+                raise PersonalStateError(f"personal state tensor {name!r} is not {size} finite "
+                                         "float32 values")
+            head = Head(self.prototype.weight, self.prototype.bias)
+            head.theta = theta.clone()
+            heads[name] = head
+        if "local" in heads and "personal" not in heads:
+            raise PersonalStateError("personal state holds a reference but no personal part")
+        self.personal, self.local = heads.get("personal"), heads.get("local")
+        try:
+            self.rounds = int(meta.get("rounds", "0"))
+        except ValueError as e:
+            raise PersonalStateError(f"personal state is corrupt ({e})") from e
+
+    def restore(self, data: bytes | None) -> None:
+        """`load_bytes`, except that a refused state is logged and rebuilt from scratch."""
+        self.refused = None
+        if data is None:
+            return
+        try:
+            self.load_bytes(data)
+        except PersonalStateError as e:
+            self.reset()
+            self.refused = str(e)
+            log.warning("%s; the personal part is rebuilt from scratch (the shared model is "
+                        "unaffected)", e)
+
+    # -- the forms -------------------------------------------------------------------------------
+    def _start(self, shared: Head) -> Head:
+        if self.config.method == "residual":
+            return Head(torch.zeros_like(shared.weight), torch.zeros_like(shared.bias))
+        return Head(shared.weight, shared.bias)  # ditto, fedper: a personal copy
+
+    def _base_and_centre(self, shared: Head) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(head added to the personal one's logits, point the L2 penalty pulls towards)."""
+        if self.config.method == "residual":
+            return shared.theta, torch.zeros_like(shared.theta)
+        if self.config.method == "ditto":
+            return None, shared.theta
+        return None, None  # fedper
+
+    # -- training --------------------------------------------------------------------------------
+    def train(self, examples: data_mod.Examples, rng: np.random.Generator) -> float:
+        """One round of personal ZO steps (and of the reference's) on the device's training
+        examples; returns the personal part's mean loss."""
+        if len(examples) == 0:
+            return 0.0
+        shared = shared_head(self.bundle.model)
+        if self.personal is None:
+            self.personal = self._start(shared)
+            self.local = Head(self.prototype.weight, self.prototype.bias) \
+                if self.config.reference else None
+        base, centre = self._base_and_centre(shared)
+        cfg = self.config
+        losses = []
+        size = min(cfg.batch_size, len(examples))
+        picks = [rng.choice(len(examples), size=size, replace=False) for _ in range(cfg.steps)]
+        # The features of the round's examples, computed once (the shared version is fixed
+        # for the round): at most steps x batch_size rows, whatever the device's data size.
+        used = np.unique(np.concatenate(picks))
+        rows = {int(i): j for j, i in enumerate(used)}
+        parts = list(features(self.bundle, examples.subset(used)))
+        all_feats = torch.cat([f for f, _ in parts])
+        all_labels = torch.cat([y for _, y in parts])
+        for pick in picks:
+            idx = torch.tensor([rows[int(i)] for i in pick])
+            feats, labels = all_feats[idx], all_labels[idx]
+            z = torch.from_numpy(rng.integers(0, 2, size=(cfg.perturbations,
+                                                          shared.theta.numel()))
+                                 .astype(np.float32) * 2 - 1)
+            losses.append(self._step(self.personal, feats, labels, z, base, centre))
+            if self.local is not None:
+                self._step(self.local, feats, labels, z, None, None)
+        self.rounds += 1
+        return float(np.mean(losses))
+
+    def _step(self, head: Head, feats: torch.Tensor, labels: torch.Tensor, z: torch.Tensor,
+              base: torch.Tensor | None, centre: torch.Tensor | None) -> float:
+        """One SPSA step: all 2P probes in one batched product, theta -= lr * mean(g z)."""
+        cfg = self.config
+        probes = torch.cat([head.theta + cfg.eps * z, head.theta - cfg.eps * z])  # (2P, D)
+        losses = self._loss(probes, feats, labels, base, centre)
+        g = (losses[: cfg.perturbations] - losses[cfg.perturbations:]) / (2 * cfg.eps)
+        head.theta -= cfg.lr * (g[:, None] * z).mean(dim=0)
+        return float(losses.mean())
+
+    def _loss(self, thetas: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor,
+              base: torch.Tensor | None, centre: torch.Tensor | None) -> torch.Tensor:
+        n_labels = self.prototype.labels
+        logits = _logits(thetas, feats, n_labels)  # (K, B, L)
+        if base is not None:
+            logits = logits + _logits(base, feats, n_labels)
+        k = thetas.shape[0]
+        ce = nn.functional.cross_entropy(logits.reshape(-1, n_labels), labels.repeat(k),
+                                         reduction="none").view(k, -1).mean(dim=1)
+        if centre is not None and self.config.decay > 0:
+            ce = ce + self.config.decay * ((thetas - centre) ** 2).sum(dim=1)
+        return ce
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def personal_logits(self, feats: torch.Tensor, shared: Head) -> torch.Tensor:
+        """Logits of shared + personal (the shared model's own while nothing is trained)."""
+        labels = self.prototype.labels
+        if self.personal is None:
+            return _logits(shared.theta, feats, labels)
+        out = _logits(self.personal.theta, feats, labels)
+        return out + _logits(shared.theta, feats, labels) \
+            if self.config.method == "residual" else out
+
+    @torch.no_grad()
+    def score(self, examples: data_mod.Examples) -> PersonalScores | None:
+        """Held-out accuracy of the shared model, shared + personal, and the local-only head."""
+        if len(examples) == 0:
+            return None
+        shared = shared_head(self.bundle.model)
+        right = {"shared": 0, "personal": 0, "local": 0}
+        labels_n = self.prototype.labels
+        for feats, labels in features(self.bundle, examples):
+            right["shared"] += int((_logits(shared.theta, feats, labels_n).argmax(-1)
+                                    == labels).sum())
+            right["personal"] += int((self.personal_logits(feats, shared).argmax(-1)
+                                      == labels).sum())
+            if self.local is not None:
+                right["local"] += int((_logits(self.local.theta, feats, labels_n).argmax(-1)
+                                       == labels).sum())
+        n = len(examples)
+        return PersonalScores(right["shared"] / n, right["personal"] / n,
+                              right["local"] / n if self.local is not None else None, n)
+
+
+def _metadata(data: bytes) -> dict[str, Any]:
+    """The `__metadata__` of a safetensors buffer (header: 8-byte length, then JSON)."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("metadata is not an object")
+    return dict(meta)

@@ -1,0 +1,340 @@
+"""The operator's commands: create and inspect tasks, open and close rounds, revoke devices.
+
+    seedfed task create --recipe sst2 --quorum 5          # prints the task id and join token
+    seedfed task list | show ID
+    seedfed round open ID | close ID [--round N]
+    seedfed devices list ID | revoke ID DEVICE
+
+Every command talks to a running coordinator (`--url`, or SEEDFED_URL) with the admin token
+from the environment (SEEDFED_ADMIN_TOKEN), through `shared/admin_client.AdminClient`; tables
+by default, `--json` for scripts. A refusal prints the coordinator's reason and its error type
+and exits 1. `build_spec` (a pure function) turns the create options into the TaskSpec the
+coordinator validates again on its side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from seedfed.shared.admin_client import AdminClient
+from seedfed.shared.coordinator_client import CoordinatorHttpError
+from seedfed.shared.messages import Routes
+from seedfed.shared.scope_options import options_for
+from seedfed.shared.task import Hyper, TaskSpec
+
+ADMIN_TOKEN_ENV = "SEEDFED_ADMIN_TOKEN"
+URL_ENV = "SEEDFED_URL"
+RECIPES = ("sst2", "preference")
+#: `--scope head`: the recipes' head-only scope (named, patterns ["classifier"]).
+HEAD = "head"
+
+#: How a command reaches the coordinator: (base URL) -> an httpx client. Tests replace it
+#: with an in-process app's client.
+HttpFactory = Callable[[str], httpx.Client]
+
+
+def _default_http(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url.rstrip("/"), timeout=120.0)
+
+
+http_factory: HttpFactory = _default_http
+
+task_app = typer.Typer(no_args_is_help=True, help="Create and inspect tasks (admin).")
+round_app = typer.Typer(no_args_is_help=True, help="Open and close rounds (admin).")
+devices_app = typer.Typer(no_args_is_help=True, help="List and revoke devices (admin).")
+
+URL = typer.Option("http://127.0.0.1:8080", "--url", envvar=URL_ENV,
+                   help="coordinator base URL")
+AS_JSON = typer.Option(False, "--json", help="print JSON instead of a table")
+PATTERNS = typer.Option([], "--pattern", help="named scope: a name substring (repeat)")
+LABELS = typer.Option([], "--label", help="label description (repeat, in label order)")
+
+
+# -- the task definition -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CreateOptions:
+    """What `task create` takes; None keeps the recipe's (or TaskSpec's) value."""
+
+    recipe: str | None = "sst2"
+    model: str | None = None
+    spec_file: Path | None = None
+    scope: str | None = None
+    patterns: tuple[str, ...] = ()
+    fmt: str | None = None
+    lr: float | None = None
+    eps: float | None = None
+    steps: int | None = None
+    perturbations: int | None = None
+    batch_size: int | None = None
+    clip: float | None = None
+    one_sided: bool | None = None
+    aggregation: str | None = None
+    clip_bound: float | None = None
+    trim: float | None = None
+    max_num_examples: int | None = None
+    label_texts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.recipe is None and self.model is None and self.spec_file is None:
+            raise ValueError("give --recipe, --model or --spec")
+
+
+def _base_spec(o: CreateOptions) -> TaskSpec:
+    if o.spec_file is not None:
+        return TaskSpec.from_dict(json.loads(o.spec_file.read_text("utf-8")))
+    if o.recipe is not None:
+        from seedfed.client import recipes
+
+        fmt = o.fmt or "fp32"
+        if o.recipe == "sst2":
+            return recipes.sst2_recipe(o.model, fmt=fmt if fmt in recipes.RECIPE_FORMATS
+                                       else "fp32").spec
+        return recipes.preference_recipe(o.model).spec
+    assert o.model is not None
+    return TaskSpec(model_path=o.model)
+
+
+def build_spec(o: CreateOptions) -> TaskSpec:
+    """The TaskSpec of `task create`: the base (a TaskSpec JSON file, a recipe, or TaskSpec's
+    defaults on `--model`), then each option given. A scope other than the base's starts from
+    TaskSpec's conservative lr and eps (a head-sized lr makes LoRA diverge), as `simulate`."""
+    spec = _base_spec(o)
+    if o.model is not None:
+        spec = replace(spec, model_path=o.model)
+    if o.scope is not None:
+        kind = "named" if o.scope == HEAD else o.scope
+        patterns = o.patterns or (("classifier",) if o.scope == HEAD else ())
+        options = options_for(kind, {"patterns": list(patterns)} if patterns else {})
+        if (kind, options) != (spec.scope, spec.scope_options):
+            spec = replace(spec, scope=kind, scope_options=options,
+                           hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps))
+    elif o.patterns:
+        spec = replace(spec, scope_options=options_for(spec.scope,
+                                                       {"patterns": list(o.patterns)}))
+    hyper = {k: v for k, v in (("lr", o.lr), ("eps", o.eps), ("steps", o.steps),
+                               ("perturbations", o.perturbations),
+                               ("batch_size", o.batch_size), ("clip", o.clip),
+                               ("one_sided", o.one_sided)) if v is not None}
+    agg = {k: v for k, v in (("rule", o.aggregation), ("clip_bound", o.clip_bound),
+                             ("trim", o.trim), ("max_num_examples", o.max_num_examples))
+           if v is not None}
+    spec = replace(spec, hyper=replace(spec.hyper, **hyper),
+                   aggregation=replace(spec.aggregation, **agg))
+    if o.fmt is not None:
+        spec = replace(spec, format=o.fmt)
+    if o.label_texts:
+        spec = replace(spec, label_texts=o.label_texts, num_labels=len(o.label_texts))
+    return spec
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+@contextmanager
+def admin(url: str) -> Iterator[AdminClient]:
+    """The admin client of `url`; a refusal becomes its reason on stderr and exit status 1."""
+    token = os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        raise typer.BadParameter(f"set {ADMIN_TOKEN_ENV} to the coordinator's admin token")
+    http = http_factory(url)
+    try:
+        yield AdminClient(http, token)
+    except CoordinatorHttpError as e:
+        typer.echo(f"error: {e.status} {e.error or ''}: {e.detail}", err=True)
+        raise typer.Exit(1) from e
+    except httpx.HTTPError as e:
+        typer.echo(f"error: cannot reach {url}: {e}", err=True)
+        raise typer.Exit(1) from e
+    finally:
+        http.close()
+
+
+def _emit(data: Any, as_json: bool, table: Callable[[], Table] | None = None) -> None:
+    if as_json or table is None:
+        typer.echo(json.dumps(data, default=str))
+    else:
+        Console(width=160).print(table())
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+                    for v in r))
+    return t
+
+
+# -- task ----------------------------------------------------------------------------------------
+@task_app.command("create")
+def task_create(
+    url: str = URL,
+    recipe: str = typer.Option(None, "--recipe", help=f"start from a recipe: {', '.join(RECIPES)}"
+                               " (default sst2 unless --model or --spec)"),
+    model: str = typer.Option(None, "--model", help="Hugging Face model directory, as the "
+                              "coordinator sees it"),
+    spec_file: str = typer.Option(None, "--spec", help="a TaskSpec JSON file as the base"),
+    name: str = typer.Option(None, "--name"),
+    scope: str = typer.Option(None, "--scope", help="head (the classifier), lora, full, named,"
+                              " scales, ternary"),
+    pattern: list[str] = PATTERNS,
+    fmt: str = typer.Option(None, "--format", help="fp32, fp16, bf16, int8, int4, ternary"),
+    lr: float = typer.Option(None, "--lr"), eps: float = typer.Option(None, "--eps"),
+    steps: int = typer.Option(None, "--steps", min=1),
+    perturbations: int = typer.Option(None, "--perturbations", min=1),
+    batch_size: int = typer.Option(None, "--batch-size", min=1),
+    clip: float = typer.Option(None, "--clip", help="clip each scalar to +-C on the device"),
+    one_sided: bool = typer.Option(None, "--one-sided/--two-sided"),
+    label: list[str] = LABELS,
+    quorum: int = typer.Option(1, "--quorum", min=1),
+    round_timeout: float = typer.Option(600.0, "--round-timeout", help="seconds"),
+    devices_per_round: int = typer.Option(None, "--devices-per-round", min=1),
+    aggregation: str = typer.Option(None, "--aggregation", help="mean, clipped_mean, "
+                                    "trimmed_mean, median"),
+    clip_bound: float = typer.Option(None, "--clip-bound"),
+    trim: float = typer.Option(None, "--trim"),
+    max_num_examples: int = typer.Option(None, "--max-num-examples", min=1),
+    as_json: bool = AS_JSON,
+) -> None:
+    """Create a task; prints its id and the join token (shown once: give it to the devices)."""
+    try:
+        spec = build_spec(CreateOptions(
+            recipe=recipe or (None if model or spec_file else "sst2"), model=model,
+            spec_file=Path(spec_file) if spec_file else None, scope=scope,
+            patterns=tuple(pattern), fmt=fmt, lr=lr, eps=eps,
+            steps=steps, perturbations=perturbations, batch_size=batch_size, clip=clip,
+            one_sided=one_sided, aggregation=aggregation, clip_bound=clip_bound, trim=trim,
+            max_num_examples=max_num_examples, label_texts=tuple(label)))
+    except (ValueError, TypeError, OSError) as e:
+        raise typer.BadParameter(str(e)) from e
+    with admin(url) as api:
+        created = api.create_task(spec.to_dict(), name=name, quorum=quorum,
+                                  round_timeout_s=round_timeout,
+                                  devices_per_round=devices_per_round)
+    _emit(created, as_json, lambda: _table("task created", ("task", "join token", "version",
+                                                           "checksum"),
+                                          [(created["task_id"], created["join_token"],
+                                            created["version"], created["checksum"][:16])]))
+
+
+@task_app.command("list")
+def task_list(url: str = URL, as_json: bool = AS_JSON) -> None:
+    """Every task: version, round, state, devices, scope."""
+    with admin(url) as api:
+        tasks = api.list_tasks()
+    _emit([t.model_dump(mode="json") for t in tasks], as_json, lambda: _table(
+        "tasks", ("task", "name", "version", "round", "state", "devices", "seen", "quorum",
+                  "scope", "params", "format", "aggregation"),
+        [(t.task_id, t.name, t.version, t.round, t.state, t.devices, t.devices_seen, t.quorum,
+          t.scope, t.scope_numel, t.format, t.aggregation) for t in tasks]))
+
+
+@task_app.command("show")
+def task_show(task_id: str = typer.Argument(...), url: str = URL,
+              last: int = typer.Option(20, "--last", min=1, help="rounds shown in the table"),
+              as_json: bool = AS_JSON) -> None:
+    """One task: version, checksum, state, participation and loss per round."""
+    with admin(url) as api:
+        status = api.status(task_id)
+        rounds = api.round_metrics(task_id)
+    data = {**status.model_dump(mode="json"), "rounds": rounds}
+
+    def tables() -> Table:
+        t = _table(f"task {status.task_id} ({status.name})", ("field", "value"), [
+            ("version", status.version), ("checksum", status.checksum[:16] + "..."),
+            ("round", status.round), ("state", status.state),
+            ("devices", f"{status.devices} enrolled, {status.devices_seen} seen"),
+            ("quorum", status.quorum), ("scope", f"{status.scope} ({status.scope_numel})"),
+            ("format", status.format), ("aggregation", status.aggregation),
+            ("epsilon", status.epsilon), ("close error", status.close_error)])
+        t.add_section()
+        t.add_row("rounds", _round_lines(rounds[-last:]))
+        return t
+
+    _emit(data, as_json, tables)
+
+
+def _round_lines(rounds: Sequence[dict[str, Any]]) -> str:
+    lines = ["round  state       base -> version  participants  loss"]
+    for r in rounds:
+        loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
+        version = "-" if r.get("version") is None else r["version"]
+        lines.append(f"{r['round']:>5}  {r['state']:<10}  {r['base_version']:>4} -> "
+                     f"{version!s:<7}  {r['participants']:>12}  {loss}")
+    return "\n".join(lines) if rounds else "no rounds yet"
+
+
+# -- round ---------------------------------------------------------------------------------------
+@round_app.command("open")
+def round_open(task_id: str = typer.Argument(...), url: str = URL,
+               as_json: bool = AS_JSON) -> None:
+    """Open the task's next round (or show the one already open)."""
+    with admin(url) as api:
+        plan = api.open_round(task_id)
+    _emit(plan.model_dump(mode="json"), as_json, lambda: _table(
+        f"round {plan.round} of {plan.task_id}", ("round", "version", "steps x P", "lr", "eps",
+                                                  "batch", "quorum", "deadline"),
+        [(plan.round, plan.version, f"{plan.steps} x {plan.perturbations}", plan.lr, plan.eps,
+          plan.batch_size, plan.quorum, plan.deadline)]))
+
+
+@round_app.command("close")
+def round_close(task_id: str = typer.Argument(...), url: str = URL,
+                number: int = typer.Option(None, "--round", min=0,
+                                           help="round number (default: the open one)"),
+                as_json: bool = AS_JSON) -> None:
+    """Aggregate the round's uploads and commit the next version."""
+    with admin(url) as api:
+        if number is None:
+            plan = api.current_plan(task_id)
+            if plan is None:
+                typer.echo(f"error: task {task_id} has no open round", err=True)
+                raise typer.Exit(1)
+            number = plan.round
+        entry = api.close_round(task_id, number)
+    _emit(entry.model_dump(mode="json"), as_json, lambda: _table(
+        f"round {number} closed", ("task", "version", "seeds", "checksum"),
+        [(entry.task_id, entry.base_version + 1, len(entry.seeds), entry.checksum[:16])]))
+
+
+# -- devices -------------------------------------------------------------------------------------
+@devices_app.command("list")
+def devices_list(task_id: str = typer.Argument(...), url: str = URL,
+                 as_json: bool = AS_JSON) -> None:
+    """The task's devices: enrolment, last upload, revocation."""
+    with admin(url) as api:
+        devices = list(api.request("GET", f"{Routes(task_id).task}/stats").json()["devices"])
+    _emit(devices, as_json, lambda: _table(
+        f"devices of {task_id}", ("device", "enrolled", "last seen", "uploads", "last round",
+                                  "revoked"),
+        [(d["device_id"], d["enrolled_at"], d["last_seen_at"], d["uploads"], d["last_round"],
+          d["revoked_at"]) for d in devices]))
+
+
+@devices_app.command("revoke")
+def devices_revoke(task_id: str = typer.Argument(...), device_id: str = typer.Argument(...),
+                   url: str = URL, as_json: bool = AS_JSON) -> None:
+    """Revoke a device: its token stops working, its upload in an open round is not counted."""
+    with admin(url) as api:
+        api.revoke_device(task_id, device_id)
+    _emit({"task_id": task_id, "device_id": device_id, "revoked": True}, as_json,
+          lambda: _table("revoked", ("task", "device"), [(task_id, device_id)]))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the operator's command groups to the `seedfed` app."""
+    app.add_typer(task_app, name="task")
+    app.add_typer(round_app, name="round")
+    app.add_typer(devices_app, name="devices")

@@ -1,0 +1,354 @@
+"""`seedfed ternarize`: make a ternary (BitNet b1.58) base from a pretrained fp32 encoder.
+
+No pretrained BitNet encoder can be downloaded here, so the project makes its own, the way
+BitNet distillation does: a one-off, centralized, first-order quantization-aware distillation.
+The student is a copy of the fp32 sentence encoder whose Linear layers are BitLinear (ternary
+weights {-1, 0, +1} times the per-matrix absmean gamma, activations fake-quantized per token to
+8 bits, straight-through gradients); it learns, on unlabelled sentences, to reproduce the fp32
+model's mean-pooled sentence embeddings (cosine) and its last-layer token states (cosine).
+Everything of the student trains (latents, biases, norms, embeddings) with AdamW; gamma is
+recomputed from the latents after every step, as the task's conversion will compute it.
+
+The result is a normal sentence-transformers model directory whose Linear weights hold the
+distilled fp32 latents: a task with scope `ternary` converts them with gamma = mean |W|, which
+is exactly the gamma the distillation ended on, so the fleet starts from the distilled ternary
+model. `ternary.json` next to the weights records the settings, the wall time and the base's
+zero-shot and linear-probe accuracy next to the fp32 model's (and next to a plain
+ternarization without distillation). A directory whose `ternary.json` holds the same settings
+key is reused, not rebuilt (`ensure_base`), so tests and demos pay for it once.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+#: Metadata file of a distilled base.
+META_FILE = "ternary.json"
+#: Files of the source directory that are weights (replaced by the student's) or irrelevant.
+_SKIP_FILES = (".safetensors", ".bin", ".onnx", ".h5", ".msgpack", ".ot")
+_SKIP_DIRS = ("onnx", "openvino")
+
+
+@dataclass(frozen=True)
+class TernarizeConfig:
+    """Settings of one distillation (all of them enter the cache key)."""
+
+    sentences: int = 2000  # unlabelled training sentences distilled on
+    max_len: int = 32  # tokens per sentence (truncated)
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 3e-4  # AdamW peak (linear warm-up over 5% of steps, cosine decay to 10%)
+    weight_decay: float = 0.0
+    token_weight: float = 1.0  # weight of the last-layer token-state cosine term
+    act_bits: int | None = 8  # BitNet b1.58: 8-bit per-token activations (None: float)
+    probe_train: int = 1000  # labelled training examples of the linear probe
+    eval_size: int = 1000  # validation examples scored (zero-shot and probe)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("sentences", "max_len", "epochs", "batch_size", "probe_train",
+                     "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be positive and finite, got {self.lr}")
+        if self.act_bits is not None and not 2 <= self.act_bits <= 16:
+            raise ValueError(f"act_bits must lie in [2, 16] or be None, got {self.act_bits}")
+
+
+@dataclass(frozen=True)
+class Scores:
+    zero_shot: float  # prototype head from the label descriptions, no training
+    linear_probe: float  # logistic regression on the frozen embeddings
+
+
+def settings_key(model: Path, data: Path, config: TernarizeConfig) -> str:
+    """What identifies a distilled base: the source weights, the data file and the settings."""
+    h = hashlib.sha256()
+    for f in sorted(model.glob("*.safetensors")) + [data]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(json.dumps(asdict(config), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def read_meta(out: Path) -> dict[str, Any] | None:
+    path = out / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+# -- the student --------------------------------------------------------------------------------
+
+def _student(encoder: nn.Module, act_bits: int | None) -> nn.Module:
+    from seedfed.shared.ternary import bitlinear_modules, convert_to_bitlinear
+
+    student = copy.deepcopy(encoder)
+    convert_to_bitlinear(student, act_bits=act_bits)
+    for p in student.parameters():
+        p.requires_grad_(True)
+    for _, m in bitlinear_modules(student):
+        m.refresh_gamma()
+    return student.train()
+
+
+def _refresh_gammas(model: nn.Module) -> None:
+    from seedfed.shared.ternary import bitlinear_modules
+
+    with torch.no_grad():
+        for _, m in bitlinear_modules(model):
+            m.refresh_gamma()
+
+
+def _pool(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.unsqueeze(-1).to(states.dtype)
+    return (states * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+
+
+def _distill_loss(student: nn.Module, teacher: nn.Module, batch: dict[str, torch.Tensor],
+                  token_weight: float) -> torch.Tensor:
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        t_states = teacher(**batch).last_hidden_state
+    s_states = student(**batch).last_hidden_state
+    pooled = 1 - nn.functional.cosine_similarity(_pool(s_states, mask), _pool(t_states, mask),
+                                                 dim=-1).mean()
+    tok = 1 - nn.functional.cosine_similarity(s_states, t_states, dim=-1)
+    m = mask.to(tok.dtype)
+    token = (tok * m).sum() / m.sum().clamp_min(1.0)
+    return pooled + token_weight * token
+
+
+def _lr_at(step: int, total: int, peak: float) -> float:
+    warm = max(1, total // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def distill(teacher: nn.Module, tokenizer: Any, texts: Sequence[str], config: TernarizeConfig,
+            on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
+    """The BitLinear student of `teacher` (an encoder returning `last_hidden_state`), trained
+    to reproduce its token states and mean-pooled embeddings on `texts`."""
+    from seedfed.client.data import tokenize
+
+    torch.manual_seed(config.seed)
+    teacher = teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student = _student(teacher, config.act_bits)
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad],
+                            lr=config.lr, weight_decay=config.weight_decay)
+    rng = np.random.default_rng(config.seed)
+    per_epoch = -(-len(texts) // config.batch_size)
+    total, step = per_epoch * config.epochs, 0
+    for _ in range(config.epochs):
+        order = rng.permutation(len(texts))
+        for b in range(per_epoch):
+            idx = order[b * config.batch_size:(b + 1) * config.batch_size]
+            batch = tokenize(tokenizer, [texts[i] for i in idx], None, config.max_len)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, total, config.lr)
+            loss = _distill_loss(student, teacher, batch, config.token_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            _refresh_gammas(student)  # the forward's gamma follows the latents (BitNet)
+            step += 1
+            if on_step is not None:
+                on_step(step, total, float(loss.detach()))
+    for p in student.parameters():
+        p.requires_grad_(False)
+    return student.eval()
+
+
+# -- scoring ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _embeddings(model: Any, tokenizer: Any, texts: Sequence[str], max_len: int,
+                batch: int = 64) -> torch.Tensor:
+    from seedfed.client.data import tokenize
+
+    out = []
+    for i in range(0, len(texts), batch):
+        enc = tokenize(tokenizer, texts[i:i + batch], None, max_len)
+        out.append(model.embed(**enc))
+    return torch.cat(out)
+
+
+def _probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
+           test_y: torch.Tensor, classes: int, l2: float = 1e-4) -> float:
+    """Accuracy of an L2-regularized logistic regression (LBFGS) on standardized features."""
+    mu, sd = train_x.mean(0), train_x.std(0).clamp_min(1e-6)
+    xs, xt = (train_x - mu) / sd, (test_x - mu) / sd
+    w = torch.zeros(xs.shape[1], classes, requires_grad=True)
+    b = torch.zeros(classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(xs @ w + b, train_y) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        return float(((xt @ w + b).argmax(1) == test_y).float().mean())
+
+
+def score(encoder: nn.Module, tokenizer: Any, normalize: bool, label_texts: tuple[str, ...],
+          probe: Any, held: Any, max_len: int) -> Scores:
+    """Zero-shot (prototype head) and linear-probe accuracy of a sentence encoder."""
+    from seedfed.shared.models import MeanPoolClassifier, init_prototype_head
+
+    model = MeanPoolClassifier(encoder, len(label_texts), normalize).eval()
+    init_prototype_head(model, tokenizer, label_texts)
+    test_x = _embeddings(model, tokenizer, held.texts, max_len)
+    test_y = torch.as_tensor(held.labels, dtype=torch.long)
+    with torch.no_grad():
+        zero = float((model.classifier(test_x).argmax(1) == test_y).float().mean())
+    train_x = _embeddings(model, tokenizer, probe.texts, max_len)
+    train_y = torch.as_tensor(probe.labels, dtype=torch.long)
+    return Scores(zero_shot=zero, linear_probe=_probe(train_x, train_y, test_x, test_y,
+                                                        len(label_texts)))
+
+
+# -- the model directory ------------------------------------------------------------------
+
+def latent_linears(model: nn.Module) -> nn.Module:
+    """A copy of a BitLinear model with every BitLinear back as nn.Linear holding its latents
+    (what `save_pretrained` writes and what a ternary task converts again)."""
+    from seedfed.shared.ternary import bitlinear_modules
+
+    out = copy.deepcopy(model)
+    for name, m in bitlinear_modules(out):
+        if m.weight is None:
+            raise ValueError(f"{name} is packed: only a latent-form model can be saved")
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(m.weight)
+            if m.bias is not None:
+                lin.bias.copy_(m.bias)
+        out.set_submodule(name, lin)
+    return out
+
+
+def write_base(student: nn.Module, source: Path, out: Path, meta: dict[str, Any]) -> Path:
+    """Write the distilled base as a model directory like `source` (tokenizer, pooling and
+    normalization modules copied; weights = the student's latents), then `ternary.json`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_dir():
+            if f.name not in _SKIP_DIRS:
+                shutil.copytree(f, out / f.name, dirs_exist_ok=True)
+        elif not f.name.endswith(_SKIP_FILES) and f.name != META_FILE:
+            shutil.copy2(f, out / f.name)
+    latent_linears(student).save_pretrained(out)  # type: ignore[operator]
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def ternarize(model: Path, data: Path, out: Path, config: TernarizeConfig,
+              label_texts: tuple[str, ...],
+              on_step: Callable[[int, int, float], None] | None = None,
+              score_sources: bool = True) -> dict[str, Any]:
+    """Distil `model` (a sentence-transformers directory) into a ternary base at `out`;
+    returns the metadata written to `out/ternary.json`. `data` is a labelled TSV/JSONL: its
+    training split's sentences (labels dropped) are distilled on; the probe trains on its
+    labels and both scores are taken on its validation split."""
+    from seedfed.client.device_data import dataset_splits
+    from seedfed.shared.models import load_base, sentence_pooling
+    from seedfed.shared.task import TaskSpec
+
+    pooling = sentence_pooling(model)
+    if pooling is None:
+        raise ValueError(f"{model} is not a mean-pooling sentence-transformers directory "
+                         "(no modules.json with a mean Pooling module)")
+    splits = dataset_splits(str(data))  # the split every simulation and benchmark uses
+    rng = np.random.default_rng([config.seed, 7])
+    order = rng.permutation(len(splits.train))
+    texts = [splits.train.texts[i] for i in order[:config.sentences]]
+    probe = splits.train.subset(order[len(order) - config.probe_train:])
+    held = splits.validation.subset(range(min(config.eval_size, len(splits.validation))))
+    teacher_model, tokenizer = load_base(TaskSpec(model_path=str(model), model_kind="seq_cls",
+                                                  num_labels=len(label_texts)))
+    teacher: nn.Module = teacher_model.encoder
+
+    def scored(encoder: nn.Module) -> dict[str, float]:
+        return asdict(score(encoder, tokenizer, pooling.normalize, label_texts, probe, held,
+                            config.max_len))
+
+    accuracy: dict[str, dict[str, float]] = {}
+    if score_sources:
+        accuracy["fp32"] = scored(teacher)
+        accuracy["ternary_undistilled"] = scored(_student(teacher, config.act_bits).eval())
+    started = time.perf_counter()
+    student = distill(teacher, tokenizer, texts, config, on_step)
+    wall = time.perf_counter() - started
+    accuracy["ternary_distilled"] = scored(student)
+    meta = {"source": model.name, "data": data.name, "config": asdict(config),
+            "key": settings_key(model, data, config), "distill_seconds": round(wall, 1),
+            "threads": torch.get_num_threads(), "sentences": len(texts),
+            "accuracy": accuracy, "scored_on": f"validation split ({len(held)} examples)"}
+    write_base(student, model, out, meta)
+    return meta
+
+
+def ensure_base(model: Path, data: Path, out: Path, config: TernarizeConfig,
+                label_texts: tuple[str, ...],
+                on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
+    """`ternarize`, unless `out` already holds a base distilled with the same settings key."""
+    meta = read_meta(out)
+    if meta is not None and meta.get("key") == settings_key(model, data, config) and \
+            (out / "model.safetensors").is_file():
+        return meta
+    return ternarize(model, data, out, config, label_texts, on_step)
+
+
+def run_with_progress(model: Path, data: Path, out: Path, config: TernarizeConfig,
+                      label_texts: tuple[str, ...], force: bool = False) -> dict[str, Any]:
+    """`ensure_base` (or `ternarize` with `force`) with a rich progress bar and a table."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    columns = [TextColumn("[bold]distil {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("distil", total=None, loss="-")
+
+        def on_step(step: int, total: int, loss: float) -> None:
+            progress.update(bar, completed=step, total=total, loss=f"{loss:.4f}")
+
+        fn = ternarize if force else ensure_base
+        meta = fn(model, data, out, config, label_texts, on_step)
+    table = Table(title=f"ternary base {out} ({meta['scored_on']})")
+    for col in ("model", "zero-shot", "linear probe"):
+        table.add_column(col, justify="right")
+    for name, s in meta["accuracy"].items():
+        table.add_row(name, f"{s['zero_shot']:.4f}", f"{s['linear_probe']:.4f}")
+    console.print(table)
+    console.print(f"distillation: {meta['distill_seconds']:.0f} s on {meta['threads']} "
+                  f"thread(s), {meta['sentences']} sentences x {config.epochs} epochs")
+    return meta

@@ -1,0 +1,83 @@
+"""Plain-HTTP devices on a ternary classifier task (TerMeZO + the float head) against the app.
+
+A tiny sentence-transformers BERT converted to BitLinear, the head in the scope, mask epochs
+every 2 versions: the devices hold the packed encoder, take the head with every published
+snapshot, replay inside an epoch and end every round on the coordinator's checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from seedfed.client.device_data import DeviceData
+from seedfed.client.http_device import DeviceConfig, HttpDevice
+from seedfed.server.app import create_app
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.settings import Settings
+from seedfed.shared.replay import checksum
+from seedfed.shared.ternary import bitlinear_modules
+
+from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write_sentiment_tsv
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EPOCH_ROUNDS = 2
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[dict]:
+    model = make_tiny_sentence_bert(tmp_path / "model")
+    data = write_sentiment_tsv(tmp_path / "data.tsv", n=300)
+    coord = Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                      store_dir=tmp_path / "store"))
+    spec = ternary_cls_spec(model, EPOCH_ROUNDS, train_head=True)
+    task_id, join = coord.create_task_with_token(spec, quorum=50)
+    with TestClient(create_app(runtime=coord.rt)) as client:
+
+        def device(i: int) -> HttpDevice:
+            cfg = DeviceConfig(url="http://testserver", task_id=task_id, join_token=join,
+                               state_dir=tmp_path / f"dev{i}", model=str(model),
+                               data=DeviceData(source=str(data), partition_id=i,
+                                               num_partitions=2, alpha=1.0))
+            return HttpDevice(cfg, client=client)
+
+        yield {"coord": coord, "task": task_id, "device": device}
+    coord.close()
+
+
+def test_two_devices_train_the_masked_latents_and_the_head_across_epoch_starts(
+        world: dict) -> None:
+    coord, task = world["coord"], world["task"]
+    devices = [world["device"](0), world["device"](1)]
+    for d in devices:
+        d.enroll()
+    synced = []
+    head_v0 = None
+
+    for r in range(1, 5):
+        plan = coord.open_round(task)
+        for d in devices:
+            d.train_and_upload(plan)
+            if head_v0 is None:
+                head_v0 = d.ternary.model.classifier.weight.clone()  # type: ignore[union-attr]
+        coord.close_round(task)
+        results = [d.sync() for d in devices]
+        status = coord.task_status(task)
+        # Assert (per round): both devices hold the coordinator's version, bit for bit
+        assert [(x.version, x.checksum) for x in results] == [(r, status.checksum)] * 2
+        assert all(d.ternary is not None and d.ternary.scope is not None
+                   and checksum(d.ternary.scope) == status.checksum for d in devices)
+        synced.append([x.method for x in results])
+
+    assert synced == [["replay"] * 2, ["snapshot"] * 2, ["replay"] * 2, ["snapshot"] * 2]
+    for d in devices:
+        t = d.ternary
+        assert t is not None and t.scope is not None
+        assert "classifier.weight" in t.scope.names
+        assert all(m.weight is None and m.packed is not None
+                   for _, m in bitlinear_modules(t.model)), "the encoder stays packed"
+        assert not torch.equal(t.model.classifier.weight, head_v0), "the head trained"

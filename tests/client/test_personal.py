@@ -1,0 +1,194 @@
+"""The personal part (client/personal.py): its forms, its ZO training, its stored state and the
+refusal of a state that does not belong to this device's task and model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from seedfed.client import data as data_mod
+from seedfed.client.personal import (
+    PersonalConfig,
+    PersonalPart,
+    PersonalStateError,
+    features,
+)
+from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.task import Hyper, TaskSpec
+
+from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _informative(path: Path) -> Path:
+    """The tiny sentence BERT with unit LayerNorm gains and no biases: its random weights
+    then keep which words a sentence holds, so a linear head can separate the sentiment
+    words (with the helper's 0.05-scaled gains every sentence embeds almost alike)."""
+    import torch
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("personal")
+    return (_informative(make_tiny_sentence_bert(root / "model")),
+            _informative(make_tiny_sentence_bert(root / "other", seed=1)),
+            write_sentiment_tsv(root / "data.tsv", n=240))
+
+
+def _spec(model: Path) -> TaskSpec:
+    return TaskSpec(model_path=str(model), label_texts=("bad", "good"), max_seq_len=16,
+                    scope="named", scope_options={"patterns": ["classifier"]},
+                    hyper=Hyper(lr=1e-2, eps=1e-2, steps=1, perturbations=2, batch_size=8))
+
+
+def _bundle(model: Path) -> ModelBundle:
+    return build_model(_spec(model), initialize=False)
+
+
+def _flipped(path: Path) -> tuple[data_mod.Examples, data_mod.Examples]:
+    """A device whose owner means the opposite of the labels: the shared (prototype) head is
+    wrong for it, so only a personal part can fit it."""
+    ex = data_mod.load_labelled(path)
+    ex = data_mod.Examples(ex.texts, 1 - ex.labels)
+    return ex.subset(range(160)), ex.subset(range(160, 240))
+
+
+def _trained(bundle: ModelBundle, train: data_mod.Examples, rounds: int = 20,
+             **options: object) -> PersonalPart:
+    part = PersonalPart(PersonalConfig(**options), bundle, "task-a")  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        part.train(train, rng)
+    return part
+
+
+def test_an_untrained_residual_part_scores_exactly_the_shared_model(
+        assets: tuple[Path, Path, Path]) -> None:
+    # Arrange
+    model, _, data = assets
+    bundle = _bundle(model)
+    part = PersonalPart(PersonalConfig(), bundle, "task-a")
+    _, held = _flipped(data)
+    # Act
+    scores = part.score(held)
+    # Assert
+    assert scores is not None
+    assert scores.personal == scores.shared and scores.local is None
+    assert scores.examples == len(held)
+
+
+@pytest.mark.parametrize("method", ["residual", "ditto", "fedper"])
+def test_zo_training_fits_a_device_whose_taste_the_shared_model_gets_wrong(
+        assets: tuple[Path, Path, Path], method: str) -> None:
+    # Arrange
+    model, _, data = assets
+    bundle = _bundle(model)
+    train, held = _flipped(data)
+    before = PersonalPart(PersonalConfig(method=method), bundle, "task-a").score(held)
+    # Act
+    part = _trained(bundle, train, rounds=40, method=method, lr=4.0, decay=0.0)
+    after = part.score(held)
+    # Assert
+    assert before is not None and after is not None
+    assert after.shared == before.shared  # the shared model is never changed
+    assert after.personal >= after.shared + 0.2, (before, after)
+    assert after.local is not None and after.local > 0.5  # the reference trained too
+
+
+def test_the_personal_state_round_trips_and_scores_the_same(
+        assets: tuple[Path, Path, Path]) -> None:
+    # Arrange
+    model, _, data = assets
+    bundle = _bundle(model)
+    train, held = _flipped(data)
+    part = _trained(bundle, train, rounds=3)
+    fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
+    # Act
+    fresh.load_bytes(part.to_bytes())
+    # Assert
+    assert fresh.score(held) == part.score(held)
+    assert fresh.rounds == 3
+
+
+def test_a_reset_part_stores_an_empty_state_that_loads_as_untrained(
+        assets: tuple[Path, Path, Path]) -> None:
+    # Arrange
+    model, _, data = assets
+    bundle = _bundle(model)
+    part = _trained(bundle, _flipped(data)[0], rounds=1)
+    # Act
+    part.reset()
+    fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
+    fresh.load_bytes(part.to_bytes())
+    # Assert
+    assert fresh.personal is None and fresh.local is None
+
+
+@pytest.mark.parametrize("case", ["other task", "other model", "other method", "corrupt",
+                                  "not finite"])
+def test_a_state_that_does_not_belong_is_refused_and_rebuilt(
+        assets: tuple[Path, Path, Path], case: str) -> None:
+    # Arrange
+    model, other, data = assets
+    train, held = _flipped(data)
+    good = _trained(_bundle(model), train, rounds=2)
+    blob = good.to_bytes()
+    target = PersonalPart(PersonalConfig(), _bundle(model), "task-a")
+    if case == "other task":
+        target = PersonalPart(PersonalConfig(), _bundle(model), "task-b")
+    elif case == "other model":
+        target = PersonalPart(PersonalConfig(), _bundle(other), "task-a")
+    elif case == "other method":
+        target = PersonalPart(PersonalConfig(method="fedper"), _bundle(model), "task-a")
+    elif case == "corrupt":
+        blob = blob[: len(blob) // 2]
+    else:
+        assert good.personal is not None
+        good.personal.theta[0] = float("nan")
+        blob = good.to_bytes()
+    # Act
+    with pytest.raises(PersonalStateError) as refused:
+        target.load_bytes(blob)
+    target.restore(blob)
+    # Assert
+    assert str(refused.value)  # a message that says why
+    assert target.refused == str(refused.value)
+    assert target.personal is None  # never applied: rebuilt from scratch
+    scores = target.score(held)
+    assert scores is not None and scores.personal == scores.shared
+
+
+def test_features_come_one_batch_at_a_time_in_order(assets: tuple[Path, Path, Path]) -> None:
+    # Arrange
+    model, _, data = assets
+    bundle = _bundle(model)
+    examples = data_mod.load_labelled(data).subset(range(50))
+    # Act
+    parts = list(features(bundle, examples, batch_size=16))
+    # Assert
+    assert [f.shape[0] for f, _ in parts] == [16, 16, 16, 2]
+    assert np.array_equal(np.concatenate([y.numpy() for _, y in parts]), examples.labels)
+
+
+def test_config_refuses_unknown_methods_and_bad_numbers() -> None:
+    # Arrange / Act / Assert
+    with pytest.raises(ValueError, match="method"):
+        PersonalConfig(method="lora")
+    with pytest.raises(ValueError, match="lr"):
+        PersonalConfig(lr=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        PersonalConfig(decay=-1.0)
+    assert not PersonalConfig(method="off").enabled

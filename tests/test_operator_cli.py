@@ -1,0 +1,174 @@
+"""The operator's commands (`seedfed task|round|devices`) against a real coordinator over HTTP:
+a task created from the command line is the task the coordinator serves, a round opened and
+closed from it commits a version, and `task show` reports the participation and loss."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from seedfed.server.app import create_app
+from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.task import Hyper, TaskSpec
+from typer.testing import CliRunner
+
+from seedfed.cli import app
+from seedfed.operator_cli import CreateOptions, build_spec
+from tests.fleet_helpers import make_tiny_bert
+from tests.live_coordinator import ADMIN_TOKEN, live_settings, serve
+
+ENV = {"SEEDFED_ADMIN_TOKEN": ADMIN_TOKEN}
+
+
+@dataclass
+class Live:
+    url: str
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    tmp = tmp_path_factory.mktemp("operator")
+    model = make_tiny_bert(tmp / "bert")
+    with serve(create_app(live_settings(tmp, auto_open_rounds=False))) as url:
+        yield Live(url, model)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    r = CliRunner().invoke(app, list(args), env=ENV if env is None else env)
+    return r.exit_code, r.stdout, r.stderr
+
+
+def create(live: Live, *extra: str) -> dict[str, str]:
+    code, out, err = cli("task", "create", "--url", live.url, "--model", str(live.model),
+                         "--scope", "head", "--steps", "1", "--perturbations", "2",
+                         "--lr", "0.5", "--quorum", "2", *extra, "--json")
+    assert code == 0, err
+    return dict(json.loads(out))
+
+
+def test_task_create_makes_the_task_the_options_describe(live: Live) -> None:
+    # Act
+    created = create(live, "--aggregation", "median", "--name", "cli-made", "--label", "bad",
+                     "--label", "good")
+
+    # Assert: the coordinator serves exactly that definition
+    with httpx.Client(base_url=live.url) as http:
+        spec = TaskSpec.from_dict(CoordinatorClient(http, ADMIN_TOKEN).spec(created["task_id"]))
+        status = CoordinatorClient(http, ADMIN_TOKEN).status(created["task_id"])
+    assert created["join_token"] and created["version"] == 0
+    assert (spec.scope, spec.scope_options.to_dict()) == ("named", {"patterns": ["classifier"]})
+    assert (spec.hyper.lr, spec.hyper.steps, spec.hyper.perturbations) == (0.5, 1, 2)
+    assert spec.aggregation.rule == "median" and spec.label_texts == ("bad", "good")
+    assert (status.name, status.quorum, status.checksum) == ("cli-made", 2, created["checksum"])
+
+
+def test_a_table_by_default_and_the_task_in_the_list(live: Live) -> None:
+    def ids() -> set[str]:
+        return {t["task_id"] for t in json.loads(cli("task", "list", "--url", live.url,
+                                                     "--json")[1])}
+
+    before = ids()
+    code, out, _ = cli("task", "create", "--url", live.url, "--model", str(live.model),
+                       "--scope", "head")
+    (task_id,) = ids() - before
+    _, table, _ = cli("task", "list", "--url", live.url)
+
+    assert code == 0 and "join token" in out and task_id in out
+    assert task_id in table
+
+
+def test_a_round_opened_and_closed_from_the_cli_commits_a_version_show_reports(
+        live: Live) -> None:
+    # Arrange: a task and an enrolled device
+    created = create(live)
+    task_id = created["task_id"]
+    with httpx.Client(base_url=live.url) as http:
+        device_id, token = CoordinatorClient(http).enroll(task_id, created["join_token"])
+
+        # Act: open from the CLI, one device uploads, close from the CLI
+        code, out, err = cli("round", "open", task_id, "--url", live.url, "--json")
+        assert code == 0, err
+        plan = json.loads(out)
+        CoordinatorClient(http, token).upload(task_id, plan["round"], plan["version"],
+                                              np.full((1, 2), 0.25, dtype=np.float32), 12, 0.625)
+        code, closed, err = cli("round", "close", task_id, "--url", live.url, "--json")
+    _, shown, _ = cli("task", "show", task_id, "--url", live.url, "--json")
+    _, table, _ = cli("task", "show", task_id, "--url", live.url)
+
+    # Assert
+    assert code == 0, err
+    assert json.loads(closed)["base_version"] == 0
+    info = json.loads(shown)
+    assert info["version"] == 1 and info["round"] == 1
+    assert [(r["round"], r["state"], r["participants"], r["loss"]) for r in info["rounds"]] == \
+        [(1, "closed", 1, 0.625)]
+    assert "0.6250" in table and device_id
+
+
+def test_devices_list_and_revoke(live: Live) -> None:
+    created = create(live)
+    task_id = created["task_id"]
+    with httpx.Client(base_url=live.url) as http:
+        device_id, token = CoordinatorClient(http).enroll(task_id, created["join_token"])
+        code, out, err = cli("devices", "revoke", task_id, device_id, "--url", live.url)
+        assert code == 0, err
+        with pytest.raises(CoordinatorHttpError) as refused:
+            CoordinatorClient(http, token).status(task_id)
+    _, listed, _ = cli("devices", "list", task_id, "--url", live.url, "--json")
+
+    assert refused.value.status == 401 and refused.value.error == "AuthenticationError"
+    assert [(d["device_id"], d["revoked_at"] is not None) for d in json.loads(listed)] == \
+        [(device_id, True)]
+
+
+def test_a_refusal_prints_the_coordinators_reason_and_exits_1(live: Live) -> None:
+    code, _, err = cli("task", "show", "no-such-task", "--url", live.url)
+    bad_token, _, err401 = cli("task", "list", "--url", live.url,
+                               env={"SEEDFED_ADMIN_TOKEN": "wrong"})
+    no_round, _, err_round = cli("round", "close", create(live)["task_id"], "--url", live.url)
+
+    assert code == 1 and "404 NotFoundError" in err and "no-such-task" in err
+    assert bad_token == 1 and "401 AuthenticationError" in err401
+    assert no_round == 1 and "no open round" in err_round
+
+
+def test_no_admin_token_is_a_usage_error(live: Live) -> None:
+    code, _, err = cli("task", "list", "--url", live.url, env={"SEEDFED_ADMIN_TOKEN": ""})
+    assert code == 2 and "SEEDFED_ADMIN_TOKEN" in err
+
+
+# -- build_spec, a pure function ------------------------------------------------------------------
+def test_a_recipe_with_overrides_keeps_what_was_not_overridden(tmp_path: Path) -> None:
+    spec = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), perturbations=8,
+                                    aggregation="trimmed_mean", trim=0.2))
+
+    assert spec.model_path == str(tmp_path) and spec.hyper.perturbations == 8
+    assert spec.hyper.lr == 1.0 and spec.scope == "named"  # the recipe's
+    assert (spec.aggregation.rule, spec.aggregation.trim) == ("trimmed_mean", 0.2)
+
+
+def test_another_scope_starts_from_the_conservative_lr_and_a_spec_file_is_a_base(
+        tmp_path: Path) -> None:
+    lora = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), scope="lora"))
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(lora.to_dict()))
+    from_file = build_spec(CreateOptions(recipe=None, spec_file=path, fmt="fp16"))
+
+    assert (lora.scope, lora.hyper.lr, lora.hyper.eps) == ("lora", Hyper().lr, Hyper().eps)
+    assert from_file.scope == "lora" and from_file.format == "fp16"
+
+
+def test_invalid_options_are_refused_before_any_request(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        CreateOptions(recipe="imagenet")
+    with pytest.raises(ValueError, match="aggregation rule"):
+        build_spec(CreateOptions(recipe=None, model=str(tmp_path), aggregation="mode"))
+    code, _, err = cli("task", "create", "--url", "http://127.0.0.1:9", "--model",
+                       str(tmp_path), "--lr", "-1")
+    assert code == 2 and "lr must be positive" in err
