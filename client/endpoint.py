@@ -1,7 +1,18 @@
-"""What both REST device backends (torch and ONNX Runtime) check about their coordinator
-settings: one definition, importable without torch."""
+"""What both REST device backends (torch and ONNX Runtime) share: the check of their
+coordinator settings and the round-polling loop. One definition, importable without torch."""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from seedfed.shared.coordinator_client import CoordinatorHttpError
+from seedfed.shared.wire import RoundPlan
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def check_endpoint(url: str, task_id: str, **positive: float) -> None:
@@ -14,3 +25,29 @@ def check_endpoint(url: str, task_id: str, **positive: float) -> None:
     for name, value in positive.items():
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+def poll_rounds(*, current_plan: Callable[[], RoundPlan | None], meta: dict[str, Any],
+                train: Callable[[RoundPlan], T], poll_s: float, rounds: int | None = None,
+                deadline_s: float | None = None) -> list[T]:
+    """A REST device's main loop: poll for an open round it has not taken part in
+    (`meta["last_round"]`), train and upload it with `train`, until `rounds` are done (None:
+    until stopped) or `deadline_s` passes. A 409 (the round closed or moved on meanwhile) skips
+    that round; any other refusal is raised."""
+    done: list[T] = []
+    stop = None if deadline_s is None else time.monotonic() + deadline_s
+    while rounds is None or len(done) < rounds:
+        if stop is not None and time.monotonic() > stop:
+            break
+        plan = current_plan()
+        if plan is None or plan.round <= int(meta.get("last_round", 0)):
+            time.sleep(poll_s)
+            continue
+        try:
+            done.append(train(plan))
+        except CoordinatorHttpError as e:
+            if e.status != 409:
+                raise
+            log.info("round %d: %s", plan.round, e.detail)
+            meta["last_round"] = plan.round
+    return done

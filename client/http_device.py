@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from seedfed.client import data as data_mod
 from seedfed.client.catchup import CatchupMeters, sync_by_cost
 from seedfed.client.device import FP32, Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
-from seedfed.client.endpoint import check_endpoint
+from seedfed.client.endpoint import check_endpoint, poll_rounds
 from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
 from seedfed.client.ternary import PackedTernary
@@ -260,23 +259,9 @@ class HttpDevice:
             ) -> list[RoundOutcome]:
         """Take part in `rounds` rounds (None: until stopped), polling for open rounds."""
         self.enroll()
-        done: list[RoundOutcome] = []
-        stop = None if deadline_s is None else time.monotonic() + deadline_s
-        while rounds is None or len(done) < rounds:
-            if stop is not None and time.monotonic() > stop:
-                break
-            plan = self.current_plan()
-            if plan is None or plan.round <= int(self.meta.get("last_round", 0)):
-                time.sleep(self.config.poll_s)
-                continue
-            try:
-                done.append(self.train_and_upload(plan))
-            except DeviceHttpError as e:
-                if e.status != 409:  # 409: the round closed or moved on meanwhile
-                    raise
-                log.info("round %d: %s", plan.round, e.detail)
-                self.meta["last_round"] = plan.round
-        return done
+        return poll_rounds(current_plan=self.current_plan, meta=self.meta,
+                           train=self.train_and_upload, poll_s=self.config.poll_s,
+                           rounds=rounds, deadline_s=deadline_s)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

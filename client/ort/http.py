@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ import httpx
 from safetensors import SafetensorError
 from seedfed.client import data as data_mod
 from seedfed.client.device_data import DeviceData, load_device_examples
-from seedfed.client.endpoint import check_endpoint
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.client.endpoint import check_endpoint, poll_rounds
+from seedfed.shared.coordinator_client import CoordinatorClient
 from seedfed.shared.errors import SeedfedError
 from seedfed.shared.npzo import LogEntry
 from seedfed.shared.task import TaskSpec
@@ -174,17 +173,6 @@ class OrtHttpDevice:
     def run(self, rounds: int | None = None) -> list[OrtRoundOutcome]:
         """Take part in `rounds` rounds (None: until stopped), polling for open rounds."""
         self.enroll()
-        done: list[OrtRoundOutcome] = []
-        while rounds is None or len(done) < rounds:
-            plan = self.api.current_plan(self.config.task_id)
-            if plan is None or plan.round <= int(self.meta.get("last_round", 0)):
-                time.sleep(self.config.poll_s)
-                continue
-            try:
-                done.append(self.train_and_upload(plan))
-            except CoordinatorHttpError as e:
-                if e.status != 409:  # 409: the round closed or moved on meanwhile
-                    raise
-                log.info("round %d: %s", plan.round, e.detail)
-                self.meta["last_round"] = plan.round
-        return done
+        return poll_rounds(current_plan=lambda: self.api.current_plan(self.config.task_id),
+                           meta=self.meta, train=self.train_and_upload,
+                           poll_s=self.config.poll_s, rounds=rounds)

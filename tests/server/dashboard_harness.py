@@ -4,17 +4,13 @@ uvicorn server on a free loopback port in a background thread."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.live_coordinator import serve
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -36,28 +32,6 @@ def browser_fixture() -> Iterator[Browser]:
             yield b
         finally:
             b.close()
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run `app` under uvicorn on a socket bound here (no port race); yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def open_dashboard(browser: Browser, base_url: str, token: str, *, refresh_s: int | None = None,
