@@ -89,7 +89,7 @@ class OrtDevice:
 
     def __init__(self, spec: TaskSpec, task_id: str, model: OrtModel) -> None:
         model.manifest.check_spec(spec)
-        if getattr(spec, "step_scales", ()):
+        if spec.step_scales:
             raise BundleError("the ORT backend does not apply per-tensor step scales yet")
         self.spec, self.task_id, self.model = spec, task_id, model
         self.state: npzo.NpState | None = None
