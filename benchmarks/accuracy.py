@@ -108,8 +108,9 @@ def _zo_recipe(method: str, model: str | None) -> recipes.Recipe:
 
 
 def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eval_every: int,
-           out_dir: Path) -> Curve:
-    """One federated ZO run of the method's recipe through `seedfed.simulate.run`."""
+           out_dir: Path, training_run: int = 0) -> Curve:
+    """One federated ZO run of the method's recipe through `seedfed.simulate.run`;
+    `training_run` k of a repeat gives it its own task secret (round seeds, batches)."""
     from seedfed.simulate import SimulationConfig, run
 
     recipe = _zo_recipe(method, model)
@@ -118,10 +119,14 @@ def fed_zo(method: str, fleet: Fleet, model: str | None, rounds: int | None, eva
     config = SimulationConfig(
         out=out_dir, devices=fleet.devices, rounds=n_rounds, model=model, data=str(fleet.data),
         alpha=fleet.alpha, scope=_zo_scope(method), format=spec.format, seed=fleet.seed,
+        training_run=training_run,
         devices_per_round=min(recipe.per_round, fleet.devices),
         eval_size=fleet.test_size, engine="inprocess", pool=fleet.pool,
         eval_every=eval_every, sync_after_round=False,
-        eval_on_validation=fleet.on_validation)
+        eval_on_validation=fleet.on_validation,
+        # the shared model is what is measured; a personal part never changes its bits
+        # (docs/personalization.md) and would cost every device a training pass a round
+        personal="off")
     report = run(config)
     h = spec.hyper
     per_device_calls = (1 if h.one_sided else 2) * h.steps * h.perturbations
@@ -213,7 +218,7 @@ def fo_full(spec: TaskSpec, union: Examples, test: Examples, epochs: int, lr: fl
             batch: int, seed: int) -> Curve:
     """Centralized first-order fine-tune of the whole model (AdamW): the ceiling."""
     started = time.perf_counter()
-    bundle = _bundle(replace(spec, scope="full", scope_options={}))
+    bundle = _bundle(replace(spec, scope="full", scope_options={}, step_scales=()))
     params = [t.tensor for t in bundle.scope]
     for p in params:
         p.requires_grad_(True)
@@ -237,7 +242,7 @@ def fedavg_fo_lora(spec: TaskSpec, train_sets: list[Examples], test: Examples, r
     """First-order FedAvg of LoRA: every device runs backprop + a fresh AdamW from the global
     adapter, the coordinator averages the adapters by example count (FedAvg's n_k)."""
     started = time.perf_counter()
-    bundle = _bundle(replace(spec, scope="lora", scope_options={}))
+    bundle = _bundle(replace(spec, scope="lora", scope_options={}, step_scales=()))
     scope, params = bundle.scope, [t.tensor for t in bundle.scope]
     streams = [train_batches(d, bundle.tokenizer, batch, spec.max_seq_len,
                              np.random.default_rng([seed, 6, i]))
@@ -323,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=None, help="ZO rounds (default: recipe's)")
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=1, help="independent training runs of each "
-                    "ZO method (fresh task secret, so fresh seeds and batches); mean reported")
+                    "ZO method (each its own task secret, so other seeds and batches); mean "
+                    "reported")
     ap.add_argument("--fo-epochs", type=int, default=1)
     ap.add_argument("--fo-lr", type=float, default=5e-5)
     ap.add_argument("--fedavg-rounds", type=int, default=20)
@@ -366,7 +372,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix=f"{method}-") as tmp:
                 _log(f"{method} run {k + 1}/{args.repeats}")
                 runs.append(fed_zo(method, fleet, args.model, args.rounds, args.eval_every,
-                                   Path(tmp) / "run"))
+                                   Path(tmp) / "run", training_run=k))
+                _log(f"{method} run {k + 1}: {runs[-1].final_accuracy:.4f} "
+                     f"({[round(p['accuracy'], 3) for p in runs[-1].points]})")
         curves.append(runs[0])  # the first run's curve is plotted
         repeats[method] = [r.final_accuracy for r in runs]
         _log(f"{method}: {repeats[method]}")

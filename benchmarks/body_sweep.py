@@ -317,6 +317,15 @@ class ZoRun:
     #: Block seeds: seed j perturbs only block j % blocks (block 0 the head, 1 the body), so
     #: the body's directions never enter the head's scalars; each block steps lr / (its seeds).
     blocks: int = 1
+    #: Server momentum (heavy ball) on the round's update: v = beta v + u, phi += v, with the
+    #: velocity kept for `window` rounds (the coordinator's windowed form; 0 = unbounded).
+    momentum: float = 0.0
+    window: int = 0
+    #: step scale of the head's bias (its curvature is ~1 / |mean feature|^2 times the
+    #: weights', so it caps the lr the weights can take; the recipe's step_scales)
+    c_bias: float = 1.0
+    #: cosine decay of the round's lr to lr * lr_final at the last round (1: constant)
+    lr_final: float = 1.0
 
 
 #: Scopes at the top of layer 5 whose probes start from a cached pre-LayerNorm state.
@@ -346,7 +355,8 @@ class ZoProblem:
             self.names = self.names + ["5.B"]
             shapes.append(torch.Size((self.rank, 384)))
         self.sizes = [int(np.prod(s)) for s in shapes]
-        self.scale = torch.cat([torch.full((n,), run.c_head if nm.startswith("classifier")
+        self.scale = torch.cat([torch.full((n,), run.c_bias if nm == "classifier.bias"
+                                           else run.c_head if nm.startswith("classifier")
                                            else run.c_body) for nm, n in
                                 zip(self.names, self.sizes, strict=True)])
         self.theta0 = torch.cat([self.params[n].reshape(-1) for n in self.names])
@@ -503,10 +513,11 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
     phi = torch.zeros(prob.numel)
     if head_init is not None:  # phi of the head such that theta = head_init (c_head units)
         n_head = head_init.numel()
-        phi[:n_head] = (head_init - prob.theta0[:n_head]) / run.c_head
+        phi[:n_head] = (head_init - prob.theta0[:n_head]) / prob.scale[:n_head]
     theta = lambda ph: prob.theta0 + prob.scale * ph  # noqa: E731
     curve = [(0, prob.accuracy(theta(phi), ev))]
     started = time.perf_counter()
+    history: list[torch.Tensor] = []
     for r in range(run.rounds):
         chosen = (torch.arange(len(parts)) if run.per_round >= len(parts)
                   else torch.randperm(len(parts), generator=gen)[:run.per_round])
@@ -524,7 +535,8 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
              ).float()
         per_coord = float(run.perturbations)
         if run.blocks > 1:
-            body = (prob.scale != run.c_head).float()  # 1 on body coordinates
+            body = torch.cat([torch.full((n,), float(not nm.startswith("classifier")))
+                              for nm, n in zip(prob.names, prob.sizes, strict=True)])
             block = torch.arange(run.perturbations) % run.blocks
             z = z * torch.where(block[:, None] == 0, 1 - body, body)
             per_coord = run.perturbations / run.blocks
@@ -539,16 +551,64 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
             g += n_k[d] * diff[:, sel].mean(1)
             wsum += float(n_k[d])
         g /= wsum
-        phi = phi - (run.lr / per_coord) * (g.float() @ z)
+        lr = run.lr * (run.lr_final + (1 - run.lr_final)
+                       * 0.5 * (1 + math.cos(math.pi * r / max(1, run.rounds - 1))))
+        u = -(lr / per_coord) * (g.float() @ z)
+        if run.momentum:
+            history.append(u)
+            if run.window and len(history) > run.window:
+                history.pop(0)
+            # the windowed heavy ball: past rounds' updates re-applied with beta^age
+            u = sum(run.momentum ** (len(history) - 1 - i) * h for i, h in enumerate(history))
+        phi = phi + u
         if (r + 1) % run.eval_every == 0 or r + 1 == run.rounds:
             curve.append((r + 1, prob.accuracy(theta(phi), ev)))
-            print(f"    {run.scope} c {run.c_body:g} lr {run.lr:g} round {r + 1}: {eval_split} "
+            print(f"    {run.scope} c {run.c_body:g} lr {run.lr:g} m {run.momentum:g} "
+                  f"round {r + 1}: {eval_split} "
                   f"{curve[-1][1]:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
     wall = time.perf_counter() - started
     if save_head is not None:
         torch.save(theta(phi)[:prob.sizes[0] + prob.sizes[1]].clone(), save_head)
     return {"run": run.__dict__, "seed": seed, "numel": prob.numel, "curve": curve,
             "final": curve[-1][1], "seconds": wall}
+
+
+def fo_head(cache: dict[str, Any], lr: float, c_bias: float, momentum: float, rounds: int,
+            batch: int, seed: int, eval_split: str, eval_every: int) -> dict[str, Any]:
+    """First-order SGD of the head alone with the fleet's rounds: every device's batch, the
+    n_k-weighted mean of their losses, one step a round; the bias steps c_bias x lr (the
+    step scale, in theta units c^2 lr). What ZO with many seeds a round approaches, and the
+    top eigenvalues of the features' second moment (the head's curvature up to the softmax's)."""
+    def feats(split: Split) -> torch.Tensor:
+        rows = []
+        for s in range(0, len(split), 200):
+            h, m = split.batch(torch.arange(s, min(s + 200, len(split))), 6)
+            rows.append(F.normalize((h * m[..., None]).sum(1) / m.sum(1, keepdim=True), dim=-1))
+        return torch.cat(rows)
+    pool, ev = Split(cache["pool"]), Split(cache[eval_split])
+    xp, xv = feats(pool), feats(ev)
+    eig = torch.linalg.eigvalsh(xp.T @ xp / len(xp))
+    parts = [torch.from_numpy(p) for p in cache["parts"]]
+    n_k = torch.tensor([float(len(p)) for p in parts])
+    gen = torch.Generator().manual_seed(2000 + seed)
+    w = cache["params"]["classifier.weight"].clone().requires_grad_()
+    b = cache["params"]["classifier.bias"].clone().requires_grad_()
+    vw, vb = torch.zeros_like(w), torch.zeros_like(b)
+    curve = []
+    for r in range(rounds):
+        loss = sum(n_k[d] * F.cross_entropy(xp[take] @ w.T + b, pool.y[take])
+                   for d, p in enumerate(parts)
+                   for take in [p[torch.randperm(len(p), generator=gen)[:batch]]]) / n_k.sum()
+        gw, gb = torch.autograd.grad(loss, [w, b])
+        with torch.no_grad():
+            vw, vb = momentum * vw + gw, momentum * vb + c_bias * gb
+            w -= lr * vw
+            b -= lr * vb
+            if (r + 1) % eval_every == 0:
+                curve.append((r + 1, float(((xv @ w.T + b).argmax(1) == ev.y).float().mean())))
+    return {"lr": lr, "c_bias": c_bias, "momentum": momentum, "seed": seed, "curve": curve,
+            "eig_top": eig[-3:].tolist(), "eig_median": float(eig[len(eig) // 2]),
+            "mean_norm": float(xp.mean(0).norm())}
 
 
 # ------------------------------------------------------------------------------------------
@@ -598,7 +658,7 @@ def check_layers(cache: dict[str, Any]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["cache", "fo", "zo", "cost", "check"])
+    ap.add_argument("what", choices=["cache", "fo", "fohead", "zo", "cost", "check"])
     ap.add_argument("--data", type=Path, required=True, help="SST-2 train.tsv (label, sentence)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--cache-dir", type=Path, default=Path("runs"))
@@ -616,6 +676,12 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, default=20)
     ap.add_argument("--blocks", type=int, default=1, help="block seeds (2: head / body)")
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--momentum", type=float, nargs="+", default=[0.0],
+                    help="server heavy-ball momentum beta on each round's update")
+    ap.add_argument("--window", type=int, default=0, help="momentum window in rounds (0: all)")
+    ap.add_argument("--c-bias", type=float, default=1.0, help="step scale of classifier.bias")
+    ap.add_argument("--lr-final", type=float, default=1.0,
+                    help="cosine-decay the lr to lr * this at the last round")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fo-batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=1)
@@ -638,14 +704,26 @@ def main() -> None:
                 print(f"FO {scope:10s} lr {lr:g} numel {r['numel']:8d} start {r['start_layer']} "
                       f"acc0 {r['acc0']:.4f} best {r['best']:.4f} final {r['final']:.4f} "
                       f"{r['seconds']:.0f} s", flush=True)
+    elif args.what == "fohead":
+        for lr in args.lr:
+            for beta in args.momentum:
+                rows.append(fo_head(cache, lr, args.c_bias, beta, args.rounds, args.batch, 0,
+                                    split, args.eval_every))
+                r = rows[-1]
+                print(f"FO head lr {lr:g} c_bias {args.c_bias:g} m {beta:g}: "
+                      f"{[round(a, 3) for _, a in r['curve']]} (features: |mean| "
+                      f"{r['mean_norm']:.2f}, top eigenvalues "
+                      f"{[round(e, 3) for e in r['eig_top']]}, "
+                      f"median {r['eig_median']:.4f})", flush=True)
     elif args.what == "zo":
         head = torch.load(args.head_init) if args.head_init else None
         for lr in args.lr:
             for eps in args.eps:
-                for c in args.c_body:
+                for c, beta in [(c, b) for c in args.c_body for b in args.momentum]:
                     run = ZoRun(args.scope, lr, eps, args.perturbations, args.rounds,
                                 args.batch, c, 1.0, args.rank, args.per_round,
-                                args.eval_every, args.blocks)
+                                args.eval_every, args.blocks, beta, args.window, args.c_bias,
+                                args.lr_final)
                     res = [zo_run(cache, run, s, split, head, args.save_head)
                            for s in range(args.seeds)]
                     accs = [r["final"] for r in res]
@@ -654,7 +732,8 @@ def main() -> None:
                                  "seconds": [r["seconds"] for r in res],
                                  "numel": res[0]["numel"]})
                     each = " ".join(f"{a:.3f}" for a in accs)
-                    print(f"ZO {args.scope} lr {lr:g} eps {eps:g} c {c:g} P {run.perturbations} "
+                    print(f"ZO {args.scope} lr {lr:g} eps {eps:g} c {c:g} m {beta:g} "
+                          f"P {run.perturbations} "
                           f"R {run.rounds} mean {np.mean(accs):.4f} ({each}) "
                           f"curve {[round(a, 3) for _, a in res[0]['curve']]} "
                           f"{np.mean([r['seconds'] for r in res]):.0f} s/run", flush=True)

@@ -50,10 +50,10 @@ def recipe_scopes() -> dict[str, Scope]:
 
     spec = sst2_recipe().spec
     out = {"head": build_model(spec, initialize=True).scope}
-    lora = replace(spec, scope="lora", scope_options=options_for("lora"),
+    lora = replace(spec, scope="lora", scope_options=options_for("lora"), step_scales=(),
                    lora=LoraOptions(r=8, target_modules=("query", "value")))
     out["lora"] = build_model(lora, initialize=True).scope
-    full = replace(spec, scope="full", scope_options=options_for("full"))
+    full = replace(spec, scope="full", scope_options=options_for("full"), step_scales=())
     out["full"] = build_model(full, initialize=True).scope
     return out
 

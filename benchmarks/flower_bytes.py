@@ -32,8 +32,8 @@ SHAPES = ((4, 4), (10, 1), (10, 4), (20, 20), (50, 20))
 def scope_sizes() -> dict[str, int]:
     base = sst2_recipe().spec
     scopes = {"head": replace(base, scope=HEAD_SCOPE, scope_options=dict(HEAD_OPTIONS)),
-              "lora": replace(base, scope="lora", scope_options={}),
-              "full": replace(base, scope="full", scope_options={})}
+              "lora": replace(base, scope="lora", scope_options={}, step_scales=()),
+              "full": replace(base, scope="full", scope_options={}, step_scales=())}
     return {name: build_model(spec, initialize=False).scope.numel
             for name, spec in scopes.items()}
 

@@ -43,7 +43,13 @@ from seedfed.shared.errors import (
     ScopeError,
     SeedfedError,
 )
-from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.models import (
+    FeatureStore,
+    ModelBundle,
+    build_model,
+    expect_texts,
+    share_features,
+)
 from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan
@@ -175,10 +181,19 @@ class Device:
     """One device of one task: its model, where its state persists, and what it does."""
 
     def __init__(self, spec: TaskSpec, task_id: str, store: StateStore | None = None,
-                 personal: PersonalConfig | None = None) -> None:
+                 personal: PersonalConfig | None = None,
+                 features: FeatureStore | None = None) -> None:
+        """`features`: a feature store shared with other processes (a simulation's run
+        directory, seedfed/features.py); None, every real device: its own cache only. Either
+        way the cached rows are the same bits (shared.models.FEATURE_GROUP)."""
         self.spec, self.task_id = spec, task_id
         self.model: Fp32Model | PackedTernary = (
             PackedTernary(spec) if is_ternary(spec) else Fp32Model(spec))
+        if isinstance(self.model, Fp32Model):
+            share_features(self.model.bundle.model, features)
+        self._warm = features is not None
+        # Example sets already named to the feature cache (`expect_texts`), by identity.
+        self._expected: dict[int, data_mod.Examples] = {}
         self.store: StateStore = store or MemoryStore()
         # Built now, before any snapshot: it keeps the prototype head as the local-only start.
         # A ternary task (a causal LM) has no class head to personalize.
@@ -328,6 +343,7 @@ class Device:
             raise DeviceStateError(f"device is at v{self.version}, the plan at v{plan.version}")
         self._follow_store(read=True)
         bundle = self.bundle
+        self._expect(examples)
         rng = np.random.default_rng([data.seed, data.partition_id, plan.round])
         batches = data_mod.batches_for(bundle.spec.model_kind, examples, bundle.tokenizer,
                                        plan.batch_size, bundle.spec.max_seq_len, rng)
@@ -348,8 +364,19 @@ class Device:
         # docs/accuracy.md).
         return Trained(result.scalars, len(examples), result.loss)
 
+    def _expect(self, examples: data_mod.Examples) -> None:
+        """Name the device's own examples to the feature cache once: the canonical groups it
+        encodes are then filled with sentences it will need, not repeats. With a shared
+        feature store (a simulation, whose processes serve every device's data) they are
+        cached at once, in full groups or from the store. Speed only, never a bit."""
+        if id(examples) not in self._expected and isinstance(self.model, Fp32Model):
+            self._expected[id(examples)] = examples  # held: the id stays this object's
+            expect_texts(self.bundle.model, self.bundle.tokenizer, examples.texts,
+                         self.spec.max_seq_len, now=self._warm)
+
     def evaluate(self, examples: data_mod.Examples) -> tuple[float, float]:
         """(accuracy, mean loss) of the model it holds on a local held-out set."""
+        self._expect(examples)
         return local_accuracy(self.bundle, examples)
 
     def evaluate_personal(self, examples: data_mod.Examples) -> PersonalScores | None:

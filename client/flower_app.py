@@ -41,6 +41,7 @@ from seedfed.client.device import Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
+from seedfed.shared.models import FeatureStore
 from seedfed.shared.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.task import TaskSpec
 
@@ -112,10 +113,12 @@ class DeviceRuntime:
         self._data: dict[DeviceData, tuple[data_mod.Examples, data_mod.Examples]] = {}
 
     def device(self, task_id: str, spec_json: str, local_model: str | None,
-               personal: PersonalConfig | None = None) -> Device:
+               personal: PersonalConfig | None = None,
+               features: FeatureStore | None = None) -> Device:
         """The task's device; `local_model` is this node's own copy of the base weights
         (node_config `model`), used instead of the coordinator's `model_path`; `personal`
-        its personal part (None: none)."""
+        its personal part (None: none); `features` a feature store shared beyond this
+        process (a simulation's; None: none)."""
         key = (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
                + (local_model or "") + ":" + repr(personal))
         if key not in self._devices:
@@ -123,7 +126,7 @@ class DeviceRuntime:
             if local_model:
                 spec = replace(spec, model_path=local_model)
             # one task per device at a time
-            self._devices = {key: Device(spec, task_id, personal=personal)}
+            self._devices = {key: Device(spec, task_id, personal=personal, features=features)}
         return self._devices[key]
 
     def examples(self, data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
@@ -144,7 +147,8 @@ def node_personal(context: Context, default: PersonalConfig | None) -> PersonalC
 
 
 def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
-                personal: PersonalConfig | None = None) -> tuple[Device, SyncResult]:
+                personal: PersonalConfig | None = None,
+                features: FeatureStore | None = None) -> tuple[Device, SyncResult]:
     """Bring this node's device to `target` from the message's snapshot, or from its stored
     state plus the message's log entries, and remember the result in the node's Context."""
     store = ContextStore(context)
@@ -155,7 +159,7 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
                                "snapshot")
     local = context.node_config.get("model")
     device = RUNTIME.device(task_id, spec_json, str(local) if local else None,
-                            node_personal(context, personal))
+                            node_personal(context, personal), features)
     store.task_json, device.store = spec_json, store  # this node's state, in this process
     loaded = None
     if catch_up.snapshot is not None:
@@ -168,9 +172,11 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
 
 
 def train(message: Message, context: Context, data: DeviceData,
-          personal: PersonalConfig | None = None) -> Message:
+          personal: PersonalConfig | None = None,
+          features: FeatureStore | None = None) -> Message:
     ins = TrainIns.from_record(message.content)
-    device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version, personal)
+    device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version, personal,
+                            features)
     mine = data.with_node_config(context.node_config)
     train_set, _ = RUNTIME.examples(mine)
     trained = device.train(ins.plan, train_set, mine)
@@ -184,11 +190,13 @@ def reply_content(scalars: np.ndarray, num_examples: int, loss: float) -> Record
 
 
 def evaluate(message: Message, context: Context, data: DeviceData,
-             personal: PersonalConfig | None = None) -> Message:
+             personal: PersonalConfig | None = None,
+             features: FeatureStore | None = None) -> Message:
     """The sync phase: catch up to the new version, verify it, score the local held-out set
     (with a personal part: shared alone, shared + personal, local-only; as metrics)."""
     ins = SyncIns.from_record(message.content)
-    device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version, personal)
+    device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version, personal,
+                                 features)
     if result.checksum != ins.checksum:
         raise DeviceStateError(f"device reached v{result.version} with checksum "
                                f"{result.checksum[:16]}..., coordinator has "
@@ -203,19 +211,22 @@ def evaluate(message: Message, context: Context, data: DeviceData,
 
 
 def make_client_app(data: DeviceData | None = None,
-                    personal: PersonalConfig | None = None) -> ClientApp:
+                    personal: PersonalConfig | None = None,
+                    features: FeatureStore | None = None) -> ClientApp:
     """A ClientApp whose devices read their data per `data` and keep the personal part
-    `personal` (None: none), both overridden by node_config."""
+    `personal` (None: none), both overridden by node_config. `features`: a feature store
+    its processes share (a simulation's run directory: one encoding per run; it must pickle,
+    it travels to the Ray actors with the app); None, every real device: none."""
     defaults = data or DeviceData()
     app = ClientApp()
 
     @app.train()
     def _train(message: Message, context: Context) -> Message:
-        return train(message, context, defaults, personal)
+        return train(message, context, defaults, personal, features)
 
     @app.evaluate()
     def _evaluate(message: Message, context: Context) -> Message:
-        return evaluate(message, context, defaults, personal)
+        return evaluate(message, context, defaults, personal, features)
 
     return app
 

@@ -22,7 +22,10 @@ model on a restart without a download, as long as the task is still in the same 
 With a personal part (`DeviceConfig.personal`, `seedfed device --personal`; client.personal)
 the directory also keeps `personal.safetensors`, the device's own head: trained after each
 round's upload is computed, never uploaded. Deleting the file (or `seedfed device
---reset-personal`) resets it; the shared state is not touched either way.
+--reset-personal`) resets it; the shared state is not touched either way. After each round
+such a device scores its held-out examples (shared model alone, shared + personal, local
+only) and sends the three numbers for the round (`POST .../rounds/{n}/metrics`), never an
+example.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from seedfed.client.ternary import PackedTernary
 from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
 from seedfed.shared.errors import SeedfedError
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.wire import DeviceMetrics, RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class RoundOutcome:
     loss: float
     num_examples: int
     upload_bytes: int  # the upload's body on the wire
+    metrics: DeviceMetrics | None = None  # the held-out scores it reported for the round
 
 
 class DirectoryStore:
@@ -166,7 +170,7 @@ class HttpDevice:
         self.state_dir = config.state_dir
         self.store = DirectoryStore(config.state_dir, config.task_id)
         self.device: Device | None = None  # built on the first sync
-        self._examples: data_mod.Examples | None = None
+        self._split: tuple[data_mod.Examples, data_mod.Examples] | None = None
         #: The device's own link, replay and load rates: they choose replay or snapshot.
         self.meters = CatchupMeters(config.bandwidth)
 
@@ -236,10 +240,18 @@ class HttpDevice:
         fmt = None if device.snapshot_format == FP32 else device.snapshot_format
         return sync_by_cost(device, api, task, target, fmt, self.meters)
 
+    def _examples(self) -> tuple[data_mod.Examples, data_mod.Examples]:
+        if self._split is None:
+            self._split = load_device_examples(self.config.data)
+        return self._split
+
     def examples(self) -> data_mod.Examples:
-        if self._examples is None:
-            self._examples = load_device_examples(self.config.data)[0]
-        return self._examples
+        """The device's training examples."""
+        return self._examples()[0]
+
+    def held_out(self) -> data_mod.Examples:
+        """The device's local held-out examples (scored, never trained on)."""
+        return self._examples()[1]
 
     def current_plan(self) -> RoundPlan | None:
         return self.api.current_plan(self.config.task_id)
@@ -253,7 +265,26 @@ class HttpDevice:
         self.meta["last_round"] = plan.round
         self.store.write_meta()
         return RoundOutcome(plan.round, plan.version, sync.method, trained.loss,
-                            trained.num_examples, sent)
+                            trained.num_examples, sent, self.report_metrics(plan))
+
+    def report_metrics(self, plan: RoundPlan) -> DeviceMetrics | None:
+        """Score the held-out examples after the round (the shared model of the plan's version
+        alone, with the personal part the round trained, the local-only head) and send the
+        numbers for the round. None without a personal part or held-out examples, or when the
+        coordinator refused them: the scores are the operator's view of the fleet, not part
+        of the round, so a refusal is logged and the device goes on."""
+        scores = self.load_device().evaluate_personal(self.held_out())
+        if scores is None:
+            return None
+        metrics = DeviceMetrics(version=plan.version, num_examples=scores.examples,
+                                shared_accuracy=scores.shared,
+                                personal_accuracy=scores.personal, local_accuracy=scores.local)
+        try:
+            self.api.report_metrics(plan.task_id, plan.round, metrics)
+        except CoordinatorHttpError as e:
+            log.warning("round %d: metrics refused: %s", plan.round, e.detail)
+            return None
+        return metrics
 
     def run(self, rounds: int | None = None, deadline_s: float | None = None,
             ) -> list[RoundOutcome]:

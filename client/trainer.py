@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from seedfed.shared.estimator import StepResult, ZOConfig, spsa_step
+from seedfed.shared.models import prime_features
 from seedfed.shared.perturb import Perturber
 from seedfed.shared.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
 from seedfed.shared.scopes import Scope
@@ -200,6 +201,9 @@ class LocalTrainer:
         return TrainResult(g, examples, float(np.mean(losses)), forwards, calls, max(copies, 1))
 
     def _step(self, batch: Batch, seeds: list[int], config: ZOConfig) -> StepResult:
+        # The batch's features are cached before any probe runs: a step then runs the same
+        # modules (and the batched engine stacks the same copies) whatever the cache held.
+        prime_features(self.model, batch)
         if self.engine is not None:
             return engine_step(self.engine, batch, seeds, config)
 

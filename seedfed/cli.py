@@ -445,9 +445,13 @@ def ternarize(
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads"),
     force: bool = typer.Option(False, "--force", help="rebuild even if OUT holds a base made "
                                "with the same settings"),
+    model_kind: str = typer.Option("seq_cls", "--model-kind", help="seq_cls: distil --model; "
+                                   "causal_lm: build a small Llama (tokenizer, fp32 pretraining "
+                                   "on the sentences, distillation into BitLinear; no --model)"),
 ) -> None:
     """Distil an fp32 encoder into a ternary (BitNet b1.58) base: progress bar, wall time, and
-    zero-shot / linear-probe accuracy next to the fp32 model's."""
+    zero-shot / linear-probe accuracy next to the fp32 model's (`--model-kind causal_lm`: a
+    small Llama made here, and its validation perplexity)."""
     from pathlib import Path
 
     import torch
@@ -458,6 +462,21 @@ def ternarize(
     torch.set_num_threads(threads)
     given: dict[str, Any] = {"sentences": sentences, "epochs": epochs, "max_len": max_len,
                              "lr": lr}
+    if model_kind == "causal_lm":
+        from seedfed.ternarize import CausalLMConfig, run_causal_with_progress
+
+        if model is not None:
+            raise typer.BadParameter("--model-kind causal_lm builds its model: no --model")
+        causal = {"sentences": sentences, "max_len": max_len, "pretrain_epochs": epochs,
+                  "distill_epochs": epochs, "distill_lr": lr}
+        try:
+            run_causal_with_progress(Path(data), Path(out), CausalLMConfig(
+                **{k: v for k, v in causal.items() if v is not None}), force=force)
+        except (ValueError, FileNotFoundError) as e:
+            raise typer.BadParameter(str(e)) from e
+        return
+    if model_kind != "seq_cls":
+        raise typer.BadParameter(f"--model-kind must be seq_cls or causal_lm, not {model_kind}")
     try:
         config = TernarizeConfig(**{k: v for k, v in given.items() if v is not None})
         run_with_progress(Path(model or default_model_path()), Path(data), Path(out), config,

@@ -119,7 +119,7 @@ def build_spec(o: CreateOptions) -> TaskSpec:
         patterns = o.patterns or (("classifier",) if o.scope == HEAD else ())
         options = options_for(kind, {"patterns": list(patterns)} if patterns else {})
         if (kind, options) != (spec.scope, spec.scope_options):
-            spec = replace(spec, scope=kind, scope_options=options,
+            spec = replace(spec, scope=kind, scope_options=options, step_scales=(),
                            hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps))
     elif o.patterns:
         spec = replace(spec, scope_options=options_for(spec.scope,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from seedfed.shared.fleet_stats import worst_decile
+
 
 @dataclass
 class DeviceRow:
@@ -21,13 +23,6 @@ class DeviceRow:
     shared_accuracy: float
     personal_accuracy: float | None
     local_accuracy: float | None
-
-
-
-
-def _worst_decile(values: list[float]) -> float:
-    k = max(1, len(values) // 10)
-    return sum(sorted(values)[:k]) / k
 
 
 def personalization_summary(devices: list[DeviceRow]) -> dict[str, Any] | None:
@@ -42,7 +37,7 @@ def personalization_summary(devices: list[DeviceRow]) -> dict[str, Any] | None:
         if any(v is None for v in values):
             continue
         out[f"{kind}_accuracy_mean"] = sum(values) / len(values)
-        out[f"{kind}_accuracy_worst_decile"] = _worst_decile(values)
+        out[f"{kind}_accuracy_worst_decile"] = worst_decile(values)
     out["share_personal_at_least_shared"] = sum(
         1 for d in rows if (d.personal_accuracy or 0.0) >= d.shared_accuracy) / len(rows)
     return out
@@ -57,9 +52,9 @@ def fleet_accuracy(row: Any, scores: dict[int, tuple[float, float | None, float 
         return
     shared, personal = [a for a, _ in pairs], [p for _, p in pairs]
     row.shared_accuracy_mean = sum(shared) / len(shared)
-    row.shared_accuracy_worst_decile = _worst_decile(shared)
+    row.shared_accuracy_worst_decile = worst_decile(shared)
     row.personal_accuracy_mean = sum(personal) / len(personal)
-    row.personal_accuracy_worst_decile = _worst_decile(personal)
+    row.personal_accuracy_worst_decile = worst_decile(personal)
 
 
 def plot_devices(ax: Any, devices: list[DeviceRow]) -> None:

@@ -20,6 +20,7 @@ the three accuracies of every device at the end and the PNG plots them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -56,6 +57,9 @@ class SimulationConfig:
     alpha: float = 0.5
     scope: str = "head"  # "head" (the recipe's head-only scope), "lora", "full", ...
     seed: int = 0
+    #: Independent training runs of one fleet (a benchmark's repeats): another task secret, so
+    #: other round seeds; the data, split and partition stay those of `seed`.
+    training_run: int = 0
     db: str | None = None  # database URL; None: SQLite in the run directory
     devices_per_round: int | None = None
     lr: float | None = None  # None: the task default for the dataset
@@ -71,9 +75,8 @@ class SimulationConfig:
     eval_every: int = 10  # score the held-out split every this many rounds (and the last)
     # run the devices' sync phase (catch up, score the local held-out set) every this many
     # rounds and the last; in between a device replays the entry it missed with its next
-    # plan. Not tied to eval_every: a MiniLM feature cache's bits depend on the batch that
-    # first encoded a sentence (shared/models.py), and local scoring encodes sentences that
-    # training sees too, so the sync schedule can move the final checksum.
+    # plan, to the same bits (the feature cache's rows do not depend on when a sentence was
+    # first encoded: shared.models.FEATURE_GROUP)
     sync_every: int = 1
     eval_on_validation: bool = False  # score the validation split (tuning) instead of test
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
@@ -165,10 +168,12 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
     and eps."""
     base = _recipe(config.data, config.model, config.format or "fp32", config.scope).spec
     scope, options, hyper = base.scope, base.scope_options, base.hyper
+    step_scales = base.step_scales
     if config.scope not in RECIPE_SCOPES:
-        # the recipe's lr/eps were tuned for its scope (a head-sized lr makes LoRA diverge):
-        # other scopes start from the conservative task defaults unless told otherwise
-        scope, options = config.scope, options_for(config.scope)
+        # the recipe's lr/eps and step scales were tuned for its scope (a head-sized lr
+        # makes LoRA diverge, and its scales name the recipe's tensors): other scopes
+        # start from the conservative task defaults unless told otherwise
+        scope, options, step_scales = config.scope, options_for(config.scope), ()
         hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps)
     if config.scope_options:
         options = options_for(scope, {**options.to_dict(), **config.scope_options})
@@ -176,7 +181,8 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
              "steps": config.steps, "perturbations": config.perturbations}
     hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
     return replace(base, label_texts=label_texts, num_labels=len(label_texts), scope=scope,
-                   scope_options=options, hyper=hyper, format=config.format or base.format)
+                   scope_options=options, hyper=hyper, format=config.format or base.format,
+                   step_scales=step_scales)
 
 
 #: `--scope` values that name a recipe's own scope rather than a scope of shared.scopes.
@@ -212,8 +218,9 @@ def recipe_fleet(data: str, model: str | None, fmt: str | None, scope: str = "he
 class Evaluator:
     """Scores committed versions on the held-out test split, outside the fleet."""
 
-    def __init__(self, spec: TaskSpec, examples: Any) -> None:
-        from seedfed.shared.models import build_model
+    def __init__(self, spec: TaskSpec, examples: Any, features: Any = None) -> None:
+        """`features`: the run's shared feature store (None: the evaluator's own cache)."""
+        from seedfed.shared.models import build_model, expect_texts, share_features
 
         self.examples = examples
         self.packed: Any = None
@@ -226,6 +233,10 @@ class Evaluator:
             self.packed, self.fmt = PackedTernary(spec), SNAPSHOT_FORMAT
         else:
             self.bundle = build_model(spec, initialize=False)
+            share_features(self.bundle.model, features)
+            # the held-out texts fill the feature cache's canonical groups (speed only)
+            expect_texts(self.bundle.model, self.bundle.tokenizer, examples.texts,
+                         spec.max_seq_len)
 
     def __call__(self, snapshot: bytes, chk: str, version: int = 0) -> float:
         from seedfed.client.evaluate import accuracy
@@ -280,11 +291,25 @@ def _label_texts(data: str, num_labels: int) -> tuple[str, ...]:
     return tuple(f"class {i}" for i in range(num_labels))
 
 
+def simulation_secret(seed: int, training_run: int = 0) -> str:
+    """The task secret of a simulation with `--seed seed`: every round's seeds derive from it,
+    so two runs with one seed train the same seeds and end on the same checksum. Only a
+    simulation does this; a real coordinator draws a fresh random secret per task (whoever
+    knows it can predict every round's seeds and DP noise)."""
+    name = f"seedfed-simulate/{seed}" + (f"/run-{training_run}" if training_run else "")
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+#: The run directory's shared feature store (seedfed.features): one encoding per run.
+FEATURES_DIR = "features"
+
+
 def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
         ) -> Report:
     """Run the whole simulation; returns the report (also written to the run directory)."""
     _quiet_transformers()
     from seedfed.device_times import DEVICE_TIMES, DeviceTimes
+    from seedfed.features import SharedFeatures
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
     from seedfed.server.settings import Settings
@@ -302,7 +327,9 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
     try:
         task_id = coordinator.create_task(spec, name=f"simulate-{out.name}",
                                           quorum=1, round_timeout_s=config.round_timeout_s,
-                                          devices_per_round=config.devices_per_round)
+                                          devices_per_round=config.devices_per_round,
+                                          secret=simulation_secret(config.seed,
+                                                                   config.training_run))
         status = coordinator.task_status(task_id)
         (out / "task.json").write_text(json.dumps(spec.to_dict(), indent=2))
         _write_tsv(out / "test.tsv", splits.test)  # `seedfed evaluate --run DIR --data` this
@@ -312,11 +339,20 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
                                         sync_every=config.sync_every,
                                         final_round=config.rounds, sample_seed=config.seed)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
-        evaluator = Evaluator(spec, test) if len(test) else None
+        features = SharedFeatures(out / FEATURES_DIR)
+        evaluator = Evaluator(spec, test, features) if len(test) else None
         evaluate_fn = _RoundScorer(config, report, coordinator, task_id, strategy, evaluator,
                                    on_round, DeviceTimes(out / DEVICE_TIMES))
+        if config.engine == "flower":  # before round 1: none of it counts against a timeout
+            from seedfed.client.device_data import DeviceData
+            from seedfed.features import prefill
+
+            prefill(features, spec, DeviceData(
+                source=config.data, alpha=config.alpha, seed=config.seed,
+                num_partitions=config.devices, pool=config.pool,
+                label_skew=config.label_skew), config.devices, config.cpus)
         with _quiet_flower():
-            _drive(config, strategy, evaluate_fn)
+            _drive(config, strategy, evaluate_fn, features)
         final = coordinator.task_status(task_id)
         report.final_version, report.final_checksum = final.version, final.checksum
         # in the format devices load (a ternary task: the packed snapshot, which alone
@@ -393,8 +429,10 @@ class _RoundScorer:
         return None if acc is None else MetricRecord({"accuracy": acc})
 
 
-def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer) -> None:
-    """Run `config.rounds` rounds of the strategy against the fleet, on the chosen engine."""
+def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer,
+           features: Any = None) -> None:
+    """Run `config.rounds` rounds of the strategy against the fleet, on the chosen engine;
+    `features`: the feature store the devices' processes share (None: none)."""
     from flwr.app import ArrayRecord
 
     from seedfed.client.device_data import DeviceData
@@ -404,7 +442,7 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer) -
     client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
                                             seed=config.seed, num_partitions=config.devices,
                                             pool=config.pool, label_skew=config.label_skew),
-                                 PersonalConfig(method=config.personal))
+                                 PersonalConfig(method=config.personal), features)
     if evaluate_fn.times is not None:
         from seedfed.device_times import TimedClientApp
 

@@ -16,6 +16,14 @@ model. `ternary.json` next to the weights records the settings, the wall time an
 zero-shot and linear-probe accuracy next to the fp32 model's (and next to a plain
 ternarization without distillation). A directory whose `ternary.json` holds the same settings
 key is reused, not rebuilt (`ensure_base`), so tests and demos pay for it once.
+
+Causal LMs (`ternarize_causal`, `seedfed ternarize --model-kind causal_lm`): no small pretrained
+Llama is packaged, so the project builds one from `CausalLMConfig` (a BPE tokenizer trained on
+the training sentences, a Llama-shaped model), pretrains it first-order on next-token loss, and
+distils that fp32 teacher into its BitLinear copy (KL on the next-token distributions plus
+next-token cross-entropy) through the same training loop (`_fit`). The directory is a normal
+Hugging Face causal-LM directory with its tokenizer, cached by its own settings key
+(`ensure_causal_base`); `ternary.json` holds the validation perplexities and the wall times.
 """
 
 from __future__ import annotations
@@ -145,37 +153,53 @@ def _lr_at(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _fit(model: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+         tokenizer: Any, texts: Sequence[str], *, epochs: int, batch_size: int, max_len: int,
+         lr: float, weight_decay: float, seed: int, lm: bool,
+         on_step: Callable[[int, int, float], None] | None = None) -> None:
+    """First-order training of every parameter of `model` with AdamW (warm-up, cosine to
+    10%), `loss_fn` on shuffled batches of `texts` (next-token targets when `lm`); gamma of
+    every BitLinear is recomputed after each step (the forward's gamma follows the latents,
+    as a ternary task's conversion computes it)."""
+    from seedfed.client.data import lm_targets, tokenize
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                            lr=lr, weight_decay=weight_decay)
+    rng = np.random.default_rng(seed)
+    per_epoch = -(-len(texts) // batch_size)
+    total, step = per_epoch * epochs, 0
+    for _ in range(epochs):
+        order = rng.permutation(len(texts))
+        for b in range(per_epoch):
+            idx = order[b * batch_size:(b + 1) * batch_size]
+            batch = tokenize(tokenizer, [texts[i] for i in idx], None, max_len)
+            if lm:
+                batch = lm_targets(batch)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, total, lr)
+            loss = loss_fn(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            _refresh_gammas(model)
+            step += 1
+            if on_step is not None:
+                on_step(step, total, float(loss.detach()))
+
+
 def distill(teacher: nn.Module, tokenizer: Any, texts: Sequence[str], config: TernarizeConfig,
             on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
     """The BitLinear student of `teacher` (an encoder returning `last_hidden_state`), trained
     to reproduce its token states and mean-pooled embeddings on `texts`."""
-    from seedfed.client.data import tokenize
-
     torch.manual_seed(config.seed)
     teacher = teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     student = _student(teacher, config.act_bits)
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad],
-                            lr=config.lr, weight_decay=config.weight_decay)
-    rng = np.random.default_rng(config.seed)
-    per_epoch = -(-len(texts) // config.batch_size)
-    total, step = per_epoch * config.epochs, 0
-    for _ in range(config.epochs):
-        order = rng.permutation(len(texts))
-        for b in range(per_epoch):
-            idx = order[b * config.batch_size:(b + 1) * config.batch_size]
-            batch = tokenize(tokenizer, [texts[i] for i in idx], None, config.max_len)
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, total, config.lr)
-            loss = _distill_loss(student, teacher, batch, config.token_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            _refresh_gammas(student)  # the forward's gamma follows the latents (BitNet)
-            step += 1
-            if on_step is not None:
-                on_step(step, total, float(loss.detach()))
+    _fit(student, lambda batch: _distill_loss(student, teacher, batch, config.token_weight),
+         tokenizer, texts, epochs=config.epochs, batch_size=config.batch_size,
+         max_len=config.max_len, lr=config.lr, weight_decay=config.weight_decay,
+         seed=config.seed, lm=False, on_step=on_step)
     for p in student.parameters():
         p.requires_grad_(False)
     return student.eval()
@@ -285,8 +309,7 @@ def ternarize(model: Path, data: Path, out: Path, config: TernarizeConfig,
         raise ValueError(f"{model} is not a mean-pooling sentence-transformers directory "
                          "(no modules.json with a mean Pooling module)")
     splits = dataset_splits(str(data))  # the split every simulation and benchmark uses
-    rng = np.random.default_rng([config.seed, 7])
-    order = rng.permutation(len(splits.train))
+    order = training_order(len(splits.train), config.seed)
     texts = [splits.train.texts[i] for i in order[:config.sentences]]
     probe = splits.train.subset(order[len(order) - config.probe_train:])
     held = splits.validation.subset(range(min(config.eval_size, len(splits.validation))))
@@ -351,4 +374,268 @@ def run_with_progress(model: Path, data: Path, out: Path, config: TernarizeConfi
     console.print(table)
     console.print(f"distillation: {meta['distill_seconds']:.0f} s on {meta['threads']} "
                   f"thread(s), {meta['sentences']} sentences x {config.epochs} epochs")
+    return meta
+
+
+# -- causal LMs: a small Llama made here, pretrained, then distilled into BitLinear ---------------
+#
+# No small pretrained Llama is packaged, so the project makes the whole chain itself, on the
+# training split's sentences (labels dropped): a byte-level BPE tokenizer trained on them, a
+# Llama-shaped model built from `CausalLMConfig`, pretrained first-order on next-token loss
+# (the fp32 teacher), then distilled into its BitLinear copy. Distillation rather than plain
+# QAT on next-token loss: the teacher's whole next-token distribution is a denser target than
+# the one observed token when the corpus is a few thousand sentences, and it is the encoder's
+# machinery (student = converted copy of the teacher, gamma refreshed every step); the loss
+# keeps a next-token term (`hard_weight`) so the student also sees the data itself.
+
+#: The tokenizer's special tokens (pad first: id 0).
+LM_SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+@dataclass(frozen=True)
+class CausalLMConfig:
+    """Settings of a causal-LM base (all of them enter the cache key)."""
+
+    vocab: int = 4096  # BPE vocabulary trained on the pretraining sentences
+    hidden: int = 192
+    layers: int = 3
+    heads: int = 4
+    intermediate: int = 512
+    sentences: int = 6000  # training-split sentences pretrained and distilled on
+    max_len: int = 32
+    batch_size: int = 32
+    pretrain_epochs: int = 2
+    pretrain_lr: float = 2e-3
+    distill_epochs: int = 1
+    distill_lr: float = 1e-3
+    hard_weight: float = 0.5  # weight of the next-token cross-entropy next to the KL term
+    weight_decay: float = 0.0
+    act_bits: int | None = 8
+    eval_size: int = 500  # validation sentences whose perplexity is reported
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "layers", "heads", "intermediate", "sentences",
+                     "max_len", "batch_size", "pretrain_epochs", "distill_epochs", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        for name in ("pretrain_lr", "distill_lr"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        if self.act_bits is not None and not 2 <= self.act_bits <= 16:
+            raise ValueError(f"act_bits must lie in [2, 16] or be None, got {self.act_bits}")
+
+
+def training_order(n: int, seed: int) -> np.ndarray:
+    """The order in which a base takes training-split sentences: it uses the first
+    `sentences`, so whoever needs sentences the base never saw takes them from the end."""
+    return np.random.default_rng([seed, 7]).permutation(n)
+
+
+def causal_settings_key(data: Path, config: CausalLMConfig) -> str:
+    """What identifies a causal-LM base: the data file and the settings (no source model)."""
+    st = data.stat()
+    h = hashlib.sha256(f"causal_lm:{data.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(json.dumps(asdict(config), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def train_tokenizer(texts: Sequence[str], vocab: int) -> Any:
+    """A byte-level BPE tokenizer (no unknown token) trained on `texts`; every encoding
+    starts with <s>, so the first word is predicted too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(LM_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    bos = LM_SPECIALS[1]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=LM_SPECIALS[0],
+                                   bos_token=bos, eos_token=LM_SPECIALS[2])
+
+
+def build_causal_lm(config: CausalLMConfig, tokenizer: Any) -> nn.Module:
+    """A freshly initialized Llama-shaped LM of `config`'s shape (seeded), untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(config.seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=config.hidden,
+                      intermediate_size=config.intermediate, num_hidden_layers=config.layers,
+                      num_attention_heads=config.heads, num_key_value_heads=config.heads,
+                      max_position_embeddings=max(64, config.max_len + 1),
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _lm_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"],
+                 attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
+
+
+def _kd_loss(student: nn.Module, teacher: nn.Module, batch: dict[str, torch.Tensor],
+             hard_weight: float) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions over the real (non-padding)
+    positions, plus `hard_weight` x the next-token cross-entropy."""
+    with torch.no_grad():
+        t_logp = torch.log_softmax(_lm_logits(teacher, batch), dim=-1)
+    s_logits = _lm_logits(student, batch)
+    s_logp = torch.log_softmax(s_logits, dim=-1)
+    target = batch["labels"][:, 1:]
+    keep = (target != -100).to(s_logp.dtype)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+    soft = (kl * keep).sum() / keep.sum().clamp_min(1.0)
+    hard = nn.functional.cross_entropy(s_logits.reshape(-1, s_logits.size(-1)),
+                                       target.reshape(-1), ignore_index=-100)
+    return soft + hard_weight * hard
+
+
+def pretrain(model: nn.Module, tokenizer: Any, texts: Sequence[str], config: CausalLMConfig,
+             on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
+    """First-order next-token pretraining of an fp32 causal LM on `texts` (AdamW)."""
+    from seedfed.client.trainer import causal_lm_loss
+
+    model.train()
+    _fit(model, lambda batch: causal_lm_loss(model, batch), tokenizer, texts,
+         epochs=config.pretrain_epochs, batch_size=config.batch_size, max_len=config.max_len,
+         lr=config.pretrain_lr, weight_decay=config.weight_decay, seed=config.seed, lm=True,
+         on_step=on_step)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def distill_causal(teacher: nn.Module, tokenizer: Any, texts: Sequence[str],
+                   config: CausalLMConfig,
+                   on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
+    """The BitLinear student of a causal LM (every Linear but `lm_head`), distilled from its
+    next-token distributions on `texts`."""
+    torch.manual_seed(config.seed)
+    teacher = teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student = _student(teacher, config.act_bits)
+    _fit(student, lambda batch: _kd_loss(student, teacher, batch, config.hard_weight),
+         tokenizer, texts, epochs=config.distill_epochs, batch_size=config.batch_size,
+         max_len=config.max_len, lr=config.distill_lr, weight_decay=config.weight_decay,
+         seed=config.seed + 1, lm=True, on_step=on_step)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    return student.eval()
+
+
+@torch.no_grad()
+def next_token_nll(model: nn.Module, tokenizer: Any, texts: Sequence[str], max_len: int,
+                   batch: int = 64) -> tuple[float, int]:
+    """(summed next-token negative log-likelihood, target tokens) of `texts`: pooled
+    perplexity over several sets is exp(sum of sums / sum of tokens)."""
+    from seedfed.client.data import lm_targets, tokenize
+
+    total, tokens = 0.0, 0
+    for i in range(0, len(texts), batch):
+        b = lm_targets(tokenize(tokenizer, texts[i:i + batch], None, max_len))
+        logits, target = _lm_logits(model, b), b["labels"][:, 1:]
+        total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                   target.reshape(-1), ignore_index=-100,
+                                                   reduction="sum"))
+        tokens += int((target != -100).sum())
+    return total, tokens
+
+
+def perplexity(model: nn.Module, tokenizer: Any, texts: Sequence[str], max_len: int) -> float:
+    total, tokens = next_token_nll(model, tokenizer, texts, max_len)
+    return math.exp(total / tokens) if tokens else float("nan")
+
+
+def ternarize_causal(data: Path, out: Path, config: CausalLMConfig,
+                     on_step: Callable[[str, int, int, float], None] | None = None,
+                     ) -> dict[str, Any]:
+    """Make a ternary causal-LM base at `out` from the training split of `data` (a labelled
+    TSV/JSONL; labels dropped): tokenizer, fp32 pretraining, distillation into BitLinear.
+    Returns the metadata written to `out/ternary.json` (validation perplexity of the fp32
+    teacher, of its plain ternarization and of the distilled base; the wall times)."""
+    from seedfed.client.device_data import dataset_splits
+
+    splits = dataset_splits(str(data))
+    order = training_order(len(splits.train), config.seed)
+    texts = [splits.train.texts[i] for i in order[:config.sentences]]
+    held = list(splits.validation.texts[:config.eval_size])
+    started, cpu = time.perf_counter(), time.process_time()
+
+    def phase(name: str) -> Callable[[int, int, float], None] | None:
+        return None if on_step is None else (lambda s, t, loss: on_step(name, s, t, loss))
+
+    tokenizer = train_tokenizer(texts, config.vocab)
+    teacher = pretrain(build_causal_lm(config, tokenizer), tokenizer, texts, config,
+                       phase("pretrain"))
+    pretrained = time.perf_counter()
+    student = distill_causal(teacher, tokenizer, texts, config, phase("distill"))
+    done = time.perf_counter()
+    ppl = {"fp32": perplexity(teacher, tokenizer, held, config.max_len),
+           "ternary_undistilled": perplexity(_student(teacher, config.act_bits).eval(),
+                                             tokenizer, held, config.max_len),
+           "ternary_distilled": perplexity(student, tokenizer, held, config.max_len)}
+    meta = {"model_kind": "causal_lm", "data": data.name, "config": asdict(config),
+            "key": causal_settings_key(data, config),
+            "pretrain_seconds": round(pretrained - started, 1),
+            "distill_seconds": round(done - pretrained, 1),
+            "make_seconds": round(done - started, 1),
+            "make_cpu_seconds": round(time.process_time() - cpu, 1),
+            "threads": torch.get_num_threads(), "sentences": len(texts),
+            "parameters": sum(p.numel() for p in teacher.parameters()),
+            "perplexity": ppl, "scored_on": f"validation split ({len(held)} sentences)"}
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    latent_linears(student).save_pretrained(out)  # type: ignore[operator]
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
+def ensure_causal_base(data: Path, out: Path, config: CausalLMConfig,
+                       on_step: Callable[[str, int, int, float], None] | None = None,
+                       ) -> dict[str, Any]:
+    """`ternarize_causal`, unless `out` already holds a base made with the same settings key."""
+    meta = read_meta(out)
+    if meta is not None and meta.get("key") == causal_settings_key(data, config) and \
+            (out / "model.safetensors").is_file():
+        return meta
+    return ternarize_causal(data, out, config, on_step)
+
+
+def run_causal_with_progress(data: Path, out: Path, config: CausalLMConfig,
+                             force: bool = False) -> dict[str, Any]:
+    """`ensure_causal_base` (or `ternarize_causal` with `force`) with a progress bar and a
+    perplexity table."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    columns = [TextColumn("[bold]{task.fields[phase]} {task.completed}/{task.total}"),
+               BarColumn(), TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("make", total=None, loss="-", phase="tokenizer")
+
+        def on_step(phase: str, step: int, total: int, loss: float) -> None:
+            progress.update(bar, completed=step, total=total, loss=f"{loss:.4f}", phase=phase)
+
+        fn = ternarize_causal if force else ensure_causal_base
+        meta = fn(data, out, config, on_step)
+    table = Table(title=f"causal-LM base {out} ({meta['scored_on']})")
+    table.add_column("model")
+    table.add_column("perplexity", justify="right")
+    for name, v in meta["perplexity"].items():
+        table.add_row(name, f"{v:.2f}")
+    console.print(table)
+    console.print(f"made in {meta['make_seconds']:.0f} s (pretrain {meta['pretrain_seconds']:.0f}"
+                  f" s, distill {meta['distill_seconds']:.0f} s) on {meta['threads']} "
+                  f"thread(s), {meta['sentences']} sentences")
     return meta

@@ -19,11 +19,19 @@ from __future__ import annotations
 from types import TracebackType
 
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, pack_binary
+from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload, pack_binary
 
 from . import service
+from .orm import DeviceMetricsRow
 from .runtime import Runtime
-from .schemas import CatchupPlan, RoundMetrics, TaskStats, TaskStatus, UploadReceipt
+from .schemas import (
+    CatchupPlan,
+    MetricsReceipt,
+    RoundMetrics,
+    TaskStats,
+    TaskStatus,
+    UploadReceipt,
+)
 from .settings import Settings
 
 
@@ -53,10 +61,12 @@ class Coordinator:
         return self.rt.settings
 
     def create_task(self, spec: TaskSpec, *, name: str | None = None, quorum: int = 1,
-                    round_timeout_s: float = 600.0, devices_per_round: int | None = None) -> str:
+                    round_timeout_s: float = 600.0, devices_per_round: int | None = None,
+                    secret: str | None = None) -> str:
+        """`secret`: simulations and tests only (`service.create_task`); None: random."""
         task_id, _join, _v, _chk = service.create_task(
             self.rt, spec=spec, name=name, quorum=quorum, round_timeout_s=round_timeout_s,
-            devices_per_round=devices_per_round)
+            devices_per_round=devices_per_round, secret=secret)
         return task_id
 
     def create_task_with_token(self, spec: TaskSpec, **kwargs: object) -> tuple[str, str]:
@@ -88,6 +98,17 @@ class Coordinator:
 
     def close_round(self, task_id: str) -> LogEntryWire:
         return service.close_round(self.rt, task_id=task_id)
+
+    def record_metrics(self, task_id: str, device_id: str, round_number: int,
+                       metrics: DeviceMetrics) -> MetricsReceipt:
+        """Store a device's held-out scores for a round (a repeat replaces the earlier one)."""
+        return service.record_device_metrics(self.rt, task_id=task_id,
+                                             round_number=round_number, device_id=device_id,
+                                             metrics=metrics)
+
+    def device_metrics(self, task_id: str, round_number: int) -> list[DeviceMetricsRow]:
+        with self.rt.transaction() as s:
+            return service.device_metrics(s, task_id=task_id, round_number=round_number)
 
     def tick(self) -> list[LogEntryWire]:
         """Close rounds at quorum or past their deadline (expire those without uploads)."""

@@ -66,6 +66,11 @@ class InvalidUploadError(CoordinatorError, ValueError):
     """An upload that parses but breaks the round's rules (shape, bound, task, round)."""
 
 
+class InvalidMetricsError(CoordinatorError, ValueError):
+    """Device metrics that parse but do not fit the round (a version the task never had, or
+    one older than the round's base version)."""
+
+
 class InvalidTaskError(CoordinatorError, ValueError):
     """A task definition that cannot be served (bad spec, unknown format, missing model)."""
 
@@ -100,6 +105,7 @@ STATUS: dict[type[BaseException], int] = {
     ConflictError: 409,
     PayloadTooLargeError: 413,
     InvalidUploadError: 422,
+    InvalidMetricsError: 422,
     InvalidTaskError: 422,
     WireFormatError: 422,
     ShapeError: 422,

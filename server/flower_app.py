@@ -30,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
 from seedfed.shared.messages import CatchupPlan, TaskStatus
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
 from .errors import CoordinatorError
 from .flower_strategy import CoordinatorPort, FleetConfig, SeedfedStrategy
@@ -68,6 +68,11 @@ class RestCoordinator:
         """Forward a device's upload in the binary form (the coordinator counts its body)."""
         self.api.upload(task_id, upload.round, upload.version, upload.matrix(),
                         upload.num_examples, upload.loss, token=self._tokens[device_id])
+
+    def record_metrics(self, task_id: str, device_id: str, round_number: int,
+                       metrics: DeviceMetrics) -> None:
+        """Forward a device's held-out scores, as that device (the route takes device tokens)."""
+        self.api.report_metrics(task_id, round_number, metrics, token=self._tokens[device_id])
 
     def close_round(self, task_id: str) -> LogEntryWire:
         plan = self._plans[task_id]

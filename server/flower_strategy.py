@@ -5,7 +5,9 @@ sampled device how to catch up (log entries since the version the device last co
 snapshot when that is cheaper or the device is new); `aggregate_train` hands the replies to the
 coordinator as uploads and asks it to close the round. The optional sync phase
 (`configure_evaluate`) pushes the new log entry to every device and collects the checksum each
-one reached, so a diverged device is caught at once and re-synced from a snapshot.
+one reached, so a diverged device is caught at once and re-synced from a snapshot, and each
+device's held-out accuracies (shared, personalized, local-only), which it hands to the
+coordinator to store for the round (`record_metrics`, the service the REST route uses too).
 
 The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
 version it confirmed. The messages are `seedfed.shared.records`, the classes the ClientApp reads
@@ -30,7 +32,7 @@ from seedfed.shared.errors import SeedfedError
 from seedfed.shared.messages import CatchupPlan, TaskStatus
 from seedfed.shared.records import FP32, CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class CoordinatorPort(Protocol):
     def submit(self, task_id: str, device_id: str, upload: Upload,
                wire_bytes: int | None = None) -> object: ...
     def close_round(self, task_id: str) -> LogEntryWire: ...
+    def record_metrics(self, task_id: str, device_id: str, round_number: int,
+                       metrics: DeviceMetrics) -> object: ...
     def log_since(self, task_id: str, version: int) -> list[LogEntryWire]: ...
     def snapshot(self, task_id: str, version: int, fmt: str | None = None,
                  ) -> tuple[bytes, str]: ...
@@ -329,6 +333,7 @@ class SeedfedStrategy(Strategy):
                 scored.append((res.accuracy, res.loss, res.num_examples))
                 record.device_accuracy[node_id] = (res.accuracy, res.personal_accuracy,
                                                    res.local_only_accuracy)
+                self._store_metrics(record.round, node_id, node.device_id, res)
         total = sum(n for _, _, n in scored)
         if total:
             record.local_accuracy = sum(a * n for a, _, n in scored) / total
@@ -338,6 +343,22 @@ class SeedfedStrategy(Strategy):
         if record.local_accuracy is not None:
             out["local-accuracy"] = record.local_accuracy
         return out
+
+    def _store_metrics(self, round_number: int, node_id: int, device_id: str,
+                       res: SyncRes) -> None:
+        """Hand a synced device's held-out scores to the coordinator for the round (the same
+        service the REST route calls). A device's bad numbers are its own loss: logged, the
+        round goes on."""
+        assert res.accuracy is not None  # the caller stores scored replies only
+        try:
+            metrics = DeviceMetrics(version=res.version, num_examples=res.num_examples,
+                                    shared_accuracy=res.accuracy,
+                                    personal_accuracy=res.personal_accuracy,
+                                    local_accuracy=res.local_only_accuracy)
+            self.coordinator.record_metrics(self.task_id, device_id, round_number, metrics)
+        except (SeedfedError, ValueError) as e:
+            log.warning("round %d: metrics of device %d not stored: %s", round_number, node_id,
+                        e)
 
     def summary(self) -> None:
         c = self.config

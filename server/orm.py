@@ -1,4 +1,5 @@
-"""SQLAlchemy 2.x typed ORM: tasks, devices, rounds, uploads and model versions (the log).
+"""SQLAlchemy 2.x typed ORM: tasks, devices, rounds, uploads, device metrics and model versions
+(the log).
 
 The schema itself is owned by the Alembic migrations in `migrations/`; these classes must match
 them (a test compares the two).
@@ -147,6 +148,27 @@ class UploadRow(Base):
     loss: Mapped[float] = mapped_column(Float)
     wire_bytes: Mapped[int] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DeviceMetricsRow(Base):
+    """A device's held-out scores for a round (`shared.wire.DeviceMetrics`; numbers only):
+    one row per device and round, a later report replacing the earlier one. A row of its own,
+    not a JSON column of the round, so that a report is one atomic upsert (no read-modify-write
+    of the whole fleet's scores) and the fleet's statistics are one query."""
+
+    __tablename__ = "device_metrics"
+    __table_args__ = (UniqueConstraint("round_id", "device_id",
+                                       name="uq_device_metrics_round_device"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"))
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)  # the shared version the device scored
+    num_examples: Mapped[int] = mapped_column(Integer)
+    shared_accuracy: Mapped[float] = mapped_column(Float)
+    personal_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    local_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reported_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class VersionRow(Base):

@@ -94,6 +94,17 @@ class RoundMetrics(_Model):
     opened_at: datetime
     closed_at: datetime | None
     aggregation_seconds: float | None
+    # The devices' held-out accuracies reported for the round (`DeviceMetrics`; issue 12):
+    # the mean and the worst decile (`shared.fleet_stats`) of the shared model's accuracy
+    # over every reporting device, and of the personalized accuracy over those with a
+    # personal part. Additive: None (0 devices) when no device reported.
+    metric_devices: int = 0
+    personal_devices: int = 0
+    shared_accuracy_mean: float | None = None
+    shared_accuracy_worst_decile: float | None = None
+    personal_accuracy_mean: float | None = None
+    personal_accuracy_worst_decile: float | None = None
+    local_accuracy_mean: float | None = None  # the local-only reference heads
 
 
 class DeviceSummary(_Model):
@@ -162,6 +173,17 @@ class UploadReceipt(_Model):
     round: int
     device_id: str
     digest: str  # SHA-256 of the upload's content (version, shape, scalars, count, loss)
+    received_at: datetime
+
+
+class MetricsReceipt(_Model):
+    """POST /v1/tasks/{id}/rounds/{n}/metrics: the report stored (it replaced any earlier
+    report of the device for the round)."""
+
+    task_id: str
+    round: int
+    device_id: str
+    version: int
     received_at: datetime
 
 

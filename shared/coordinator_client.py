@@ -24,7 +24,7 @@ from .messages import (
     Routes,
     TaskStatus,
 )
-from .wire import LogEntryWire, RoundPlan, pack_binary
+from .wire import DeviceMetrics, LogEntryWire, RoundPlan, pack_binary
 
 
 class CoordinatorHttpError(SeedfedError, RuntimeError):
@@ -130,6 +130,13 @@ class CoordinatorClient:
                               HEADER_NUM_EXAMPLES: str(num_examples),
                               HEADER_LOSS: repr(float(loss))})
         return len(body)
+
+    def report_metrics(self, task_id: str, round_number: int, metrics: DeviceMetrics, *,
+                       token: str | None = None) -> None:
+        """A device's held-out accuracies for a round (numbers only; a repeat replaces)."""
+        self.request("POST", Routes(task_id).metrics(round_number), token=token,
+                     content=metrics.model_dump_json(),
+                     headers={"Content-Type": "application/json"})
 
     # -- running rounds (admin) ------------------------------------------------------------------
     def open_round(self, task_id: str) -> RoundPlan:

@@ -123,3 +123,6 @@ class Routes:
 
     def close(self, round_number: int) -> str:
         return f"{self.task}/rounds/{round_number}/close"
+
+    def metrics(self, round_number: int) -> str:
+        return f"{self.task}/rounds/{round_number}/metrics"  # POST: a device's held-out scores

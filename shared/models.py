@@ -15,12 +15,13 @@ other directory loads with `AutoModelForSequenceClassification` / `AutoModelForC
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,9 +36,26 @@ INIT_SEED = 0x5EEDFED
 PROTOTYPE_SCALE = 20.0
 #: Upper bound of a MeanPoolClassifier's per-example feature cache (FIFO eviction beyond it).
 FEATURE_CACHE_BYTES = 512 * 1024 * 1024
+#: The canonical context of a cached feature: a sentence is encoded in a group of exactly this
+#: many sentences of its own token length (no padding), on one thread. With the shape fixed by
+#: the length alone, a row's bits do not depend on its companions or its slot (measured: the
+#: matmul kernels pick their blocking by shape; tests/shared/test_models.py checks it), while
+#: a padded batch, a batch of another size or another thread count each move the last bits.
+#: 8 costs ~5.6 ms a sentence on one core, a sentence alone ~27 ms (docs/performance.md).
+FEATURE_GROUP = 8
 #: Separates alternative descriptions of one label in `TaskSpec.label_texts` ("bad|awful"):
 #: the label's prototype is the mean of their embeddings.
 ALTERNATIVES = "|"
+
+
+class FeatureStore(Protocol):
+    """Cached features shared beyond one process (a simulation's run directory: one encoding
+    per run, seedfed/features.py). Rows are what `MeanPoolClassifier` caches, by sentence key;
+    `namespace` (`MeanPoolClassifier.feature_namespace`) names the model and the context."""
+
+    def get(self, namespace: str, keys: Sequence[bytes]) -> dict[bytes, torch.Tensor]: ...
+
+    def put(self, namespace: str, rows: Mapping[bytes, torch.Tensor]) -> None: ...
 
 
 @dataclass
@@ -91,6 +109,13 @@ class MeanPoolClassifier(nn.Module):
     step, and every later step over the same private examples, then pay only for the trainable
     top: a device fine-tuning its head re-encodes nothing. Whoever trains tensors below layer k
     must set `frozen_prefix = 0` (and `clear_cache()`) first. Right-padded batches assumed.
+
+    A cached row is computed in the canonical context (`FEATURE_GROUP`), so its bits depend on
+    the sentence alone, not on the batch that first needed it: a device's scalars do not
+    depend on the order it met its sentences, and a `feature_store` (a simulation's, shared by
+    its processes) can hand out rows another process computed without changing a bit.
+    `expect` names sentences the caller will need (its own data), which fill a group instead
+    of repeated rows.
     """
 
     def __init__(self, encoder: Any, num_labels: int, normalize: bool) -> None:
@@ -101,8 +126,12 @@ class MeanPoolClassifier(nn.Module):
         self.classifier = nn.Linear(int(encoder.config.hidden_size), num_labels)
         self.frozen_prefix = 0
         self.cache_limit_bytes = FEATURE_CACHE_BYTES
+        self.feature_store: FeatureStore | None = None
         self._cache: dict[bytes, torch.Tensor] = {}
         self._cache_bytes = 0
+        # expected sentences by token length: key -> (ids, token types or None)
+        self._expected: dict[int, dict[bytes, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._namespace: tuple[int, str] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -131,40 +160,106 @@ class MeanPoolClassifier(nn.Module):
         return SequenceClassifierOutput(
             logits=self.classifier(self.embed(input_ids, attention_mask, token_type_ids)))
 
+    def expect(self, rows: Iterable[tuple[Sequence[int], Sequence[int] | None]]) -> None:
+        """Sentences (token ids, token types or None; unpadded) the caller will need: a group
+        of the canonical context is filled with those of its length not yet cached. Only
+        speed depends on this, never a bit."""
+        for ids, types in rows:
+            t_ids = torch.as_tensor(list(ids), dtype=torch.int64)
+            t_types = None if types is None else torch.as_tensor(list(types), dtype=torch.int64)
+            key = _sentence_key(t_ids, t_types)
+            if key not in self._cache:
+                self._expected.setdefault(len(t_ids), {})[key] = (t_ids, t_types)
+
+    @torch.no_grad()
+    def warm(self) -> int:
+        """Cache every expected sentence now (from the feature store when it holds them,
+        else encoded in full canonical groups); returns how many were encoded. A process
+        that serves many devices' data at once (a simulation's actor) pays for full groups
+        instead of the short ones a batch's few new sentences of each length make."""
+        todo = {key: s for group in self._expected.values() for key, s in group.items()
+                if key not in self._cache}
+        self._expected.clear()
+        if not todo or self.frozen_prefix == 0:
+            return 0
+        return len(self._fill(todo))
+
+    def feature_namespace(self) -> str:
+        """Names the cached rows: the canonical context, the depth k and the weights below
+        it (sha256). Rows of two models agree bit for bit when their namespaces do."""
+        k = self.frozen_prefix
+        if self._namespace is None or self._namespace[0] != k:
+            h = hashlib.sha256(f"seedfed-features/1 group={FEATURE_GROUP} k={k} "
+                               f"layers={self.num_layers}".encode())
+            below = list(self.encoder.encoder.layer)[:k]
+            modules = [("embeddings", self.encoder.embeddings)] + [
+                (f"layer.{i}", layer) for i, layer in enumerate(below)]
+            for prefix, module in modules:
+                for name, t in sorted(module.state_dict().items()):
+                    flat = t.detach().cpu().contiguous().reshape(-1)
+                    h.update(f"{prefix}.{name} {t.dtype} {list(t.shape)}".encode())
+                    h.update(flat.view(torch.uint8).numpy().tobytes())
+            self._namespace = (k, h.hexdigest())
+        return self._namespace[1]
+
+    def cache_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    token_type_ids: torch.Tensor | None = None) -> None:
+        """Make sure the batch's sentences are cached (from the feature store, else encoded).
+        A trainer calls this before a step (`prime_features`), so the probes never see a
+        forward that also encodes: the batched probe engine sizes its stacked copies from
+        what its first forward ran, so a cold cache would change a step's scalars."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        lengths = attention_mask.sum(dim=1).tolist()
+        first, _ = _distinct_rows(input_ids, attention_mask, token_type_ids)
+        sentences = {}
+        for i in first:
+            ids = input_ids[i, :lengths[i]]
+            types = None if token_type_ids is None else token_type_ids[i, :lengths[i]]
+            key = _sentence_key(ids, types)
+            if key not in self._cache:
+                sentences[key] = (ids, types)
+        self._fill(sentences)
+
+    def _fill(self, sentences: Mapping[bytes, tuple[torch.Tensor, torch.Tensor | None]],
+              ) -> dict[bytes, torch.Tensor]:
+        """Cache the rows of uncached `sentences`: from the feature store, else encoded in
+        the canonical context (and given to the store). Returns the rows added."""
+        fresh: dict[bytes, torch.Tensor] = {}
+        if sentences:
+            if self.feature_store is not None:
+                fresh.update(self.feature_store.get(self.feature_namespace(), list(sentences)))
+            todo = {key: s for key, s in sentences.items() if key not in fresh}
+            encoded = self._encode_canonical(todo, fresh) if todo else {}
+            if encoded and self.feature_store is not None:
+                self.feature_store.put(self.feature_namespace(), encoded)
+            fresh.update(encoded)
+            self._remember(fresh)
+        return fresh
+
     def _cached_pool(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      token_type_ids: torch.Tensor | None) -> torch.Tensor:
         k = self.frozen_prefix
         lengths = attention_mask.sum(dim=1).tolist()
-        keys = []
-        for i, n in enumerate(lengths):
-            parts = [input_ids[i, :n]] + ([] if token_type_ids is None
-                                          else [token_type_ids[i, :n]])
-            keys.append(b"".join(p.to(torch.int64).numpy().tobytes() for p in parts))
-        missing = [i for i, key in enumerate(keys) if key not in self._cache]
-        fresh: dict[bytes, torch.Tensor] = {}
-        if missing:
-            sub = torch.tensor(missing)
-            n_max = max(lengths[i] for i in missing)
-            kwargs: dict[str, Any] = {"input_ids": input_ids[sub, :n_max],
-                                      "attention_mask": attention_mask[sub, :n_max]}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids[sub, :n_max]
-            # Only layers below k run for the new sentences: the states entering layer k are
-            # the output of layer k - 1 (a BERT encoder has no final norm).
-            with _only_prefix(self.encoder, k):
-                out = self.encoder(**kwargs)
-            if k >= self.num_layers:
-                feats = _mean_pool(out.last_hidden_state, kwargs["attention_mask"])
-                rows = [feats[j].clone() for j in range(len(missing))]
-            else:
-                states = out.last_hidden_state
-                rows = [states[j, :lengths[i]].clone() for j, i in enumerate(missing)]
-            for i, row in zip(missing, rows, strict=True):
-                fresh[keys[i]] = row
-            self._remember(fresh)
+        # The batched probe engine stacks copies of one batch (2P of them): key each distinct
+        # row once (a key costs ~80 us, 2P x 16 of them were most of a head step).
+        first, inverse = _distinct_rows(input_ids, attention_mask, token_type_ids)
+        distinct, sentences = [], {}
+        for i in first:
+            n = lengths[i]
+            ids = input_ids[i, :n]
+            types = None if token_type_ids is None else token_type_ids[i, :n]
+            key = _sentence_key(ids, types)
+            distinct.append(key)
+            if key not in self._cache:
+                sentences[key] = (ids, types)
+        keys = [distinct[j] for j in inverse]
+        fresh = self._fill(sentences)
+        if k >= self.num_layers:  # pooled rows: gather the distinct ones (a copy, same bits)
+            pooled = torch.stack([fresh[key] if key in fresh else self._cache[key]
+                                  for key in distinct])
+            return pooled[torch.as_tensor(inverse)]
         rows = [fresh[key] if key in fresh else self._cache[key] for key in keys]
-        if k >= self.num_layers:
-            return torch.stack(rows)
         n_max = max(lengths)
         hidden = rows[0].new_zeros((len(rows), n_max, rows[0].shape[-1]))
         for i, row in enumerate(rows):
@@ -176,14 +271,98 @@ class MeanPoolClassifier(nn.Module):
                                   ).last_hidden_state
         return _mean_pool(states, mask)
 
+    @torch.no_grad()
+    def _encode_canonical(self, todo: Mapping[bytes, tuple[torch.Tensor, torch.Tensor | None]],
+                          found: dict[bytes, torch.Tensor]) -> dict[bytes, torch.Tensor]:
+        """The cached rows of `todo` (and of expected sentences that fill their groups), each
+        computed in the canonical context: FEATURE_GROUP sentences of one length, one thread.
+        Fillers the feature store already holds go to `found` instead of being encoded."""
+        k = self.frozen_prefix
+        by_length: dict[int, dict[bytes, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        for key, s in todo.items():
+            by_length.setdefault(len(s[0]), {})[key] = s
+        out: dict[bytes, torch.Tensor] = {}
+        for n, group in by_length.items():
+            spare = self._expected.get(n, {})
+            for key in list(group):
+                spare.pop(key, None)
+            while len(group) % FEATURE_GROUP and spare:  # fill with the caller's own sentences
+                want: dict[bytes, tuple[torch.Tensor, torch.Tensor | None]] = {}
+                while spare and len(want) < FEATURE_GROUP - len(group) % FEATURE_GROUP:
+                    key, s = spare.popitem()
+                    if key not in self._cache and key not in found:
+                        want[key] = s
+                if want and self.feature_store is not None:
+                    found.update(self.feature_store.get(self.feature_namespace(), list(want)))
+                group.update({key: s for key, s in want.items() if key not in found})
+            items = list(group.items())
+            for start in range(0, len(items), FEATURE_GROUP):
+                chunk = items[start:start + FEATURE_GROUP]
+                # a short last group repeats its first sentence: the shape stays canonical
+                padded = chunk + [chunk[0]] * (FEATURE_GROUP - len(chunk))
+                ids = torch.stack([s[0] for _, s in padded])
+                kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+                if any(s[1] is not None for _, s in padded):
+                    kwargs["token_type_ids"] = torch.stack(
+                        [torch.zeros_like(s[0]) if s[1] is None else s[1] for _, s in padded])
+                # Only layers below k run: the states entering layer k are the output of
+                # layer k - 1 (a BERT encoder has no final norm).
+                with _one_thread(), _only_prefix(self.encoder, k):
+                    states = self.encoder(**kwargs).last_hidden_state
+                if k >= self.num_layers:
+                    states = _mean_pool(states, kwargs["attention_mask"])
+                for j, (key, _) in enumerate(chunk):
+                    out[key] = states[j].clone()
+        return out
+
     def _remember(self, fresh: dict[bytes, torch.Tensor]) -> None:
         for key, row in fresh.items():
+            if key in self._cache:
+                continue
             self._cache[key] = row
             self._cache_bytes += row.numel() * row.element_size()
         while self._cache_bytes > self.cache_limit_bytes and self._cache:
             oldest = next(iter(self._cache))  # FIFO: dicts keep insertion order
             self._cache_bytes -= self._cache[oldest].numel() * self._cache[oldest].element_size()
             del self._cache[oldest]
+
+
+def _distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   token_type_ids: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(index of the first row of each distinct padded row, in first-seen order; for every
+    row, its distinct row's position in that list)."""
+    parts = [input_ids, attention_mask] + ([] if token_type_ids is None else [token_type_ids])
+    raw = torch.cat([p.to(torch.int64) for p in parts], dim=1).contiguous().numpy().tobytes()
+    width = len(raw) // max(1, input_ids.shape[0])
+    seen: dict[bytes, int] = {}
+    first: list[int] = []
+    inverse: list[int] = []
+    for i in range(input_ids.shape[0]):
+        row = raw[i * width:(i + 1) * width]
+        j = seen.setdefault(row, len(first))
+        if j == len(first):
+            first.append(i)
+        inverse.append(j)
+    return first, inverse
+
+
+def _sentence_key(ids: torch.Tensor, types: torch.Tensor | None) -> bytes:
+    """A sentence's cache key: its token ids (and token types), unpadded, as int64 bytes."""
+    parts = [ids] + ([] if types is None else [types])
+    return b"".join(p.to(torch.int64).numpy().tobytes() for p in parts)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread: the thread count moves a matmul's last bits."""
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n != 1:
+            torch.set_num_threads(n)
 
 
 def _mean_pool(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -232,6 +411,44 @@ def _layer_index(name: str) -> int | None:
         if p == "layer" and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return None
+
+
+def pooled_classifier(model: nn.Module) -> MeanPoolClassifier | None:
+    """The MeanPoolClassifier inside `model` (under peft's wrappers), or None."""
+    inner: Any = getattr(model, "base_model", model)
+    inner = getattr(inner, "model", inner)
+    return inner if isinstance(inner, MeanPoolClassifier) else None
+
+
+def share_features(model: nn.Module, store: FeatureStore | None) -> None:
+    """Let the model's feature cache read and write `store` (None: its own cache only)."""
+    inner = pooled_classifier(model)
+    if inner is not None:
+        inner.feature_store = store
+
+
+def prime_features(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+    """`MeanPoolClassifier.cache_batch` for a tokenized batch (a no-op for a model without
+    a feature cache): call it before a ZO step's probes."""
+    inner = pooled_classifier(model)
+    if inner is not None and inner.frozen_prefix > 0:
+        inner.cache_batch(batch["input_ids"], batch.get("attention_mask"),
+                          batch.get("token_type_ids"))
+
+
+def expect_texts(model: nn.Module, tokenizer: Any, texts: Sequence[str], max_len: int, *,
+                 now: bool = False) -> None:
+    """`MeanPoolClassifier.expect` for texts, tokenized as `client.data.tokenize` does, and
+    with `now` its `warm` (a no-op for a model without a feature cache)."""
+    inner = pooled_classifier(model)
+    if inner is None or inner.frozen_prefix == 0 or tokenizer is None or not len(texts):
+        return
+    enc = tokenizer(list(texts), truncation=True, max_length=max_len)
+    types = enc.get("token_type_ids")
+    inner.expect((ids, None if types is None else types[i])
+                 for i, ids in enumerate(enc["input_ids"]))
+    if now:
+        inner.warm()
 
 
 def frozen_prefix_depth(model: nn.Module, scope: Scope) -> int:

@@ -48,6 +48,9 @@ MAX_DIM = 1 << 16
 RoundNumber = Annotated[int, Field(strict=True, ge=0, le=MAX_ROUND)]
 VersionNumber = Annotated[int, Field(strict=True, ge=0, le=MAX_VERSION)]
 Dim = Annotated[int, Field(strict=True, ge=1, le=MAX_DIM)]
+#: A share of a device's held-out examples (what it reports as accuracy): a finite number in
+#: [0, 1]. Strict, so `true` or `"0.5"` is not a number; an integer 0 or 1 is.
+Accuracy = Annotated[float, Field(strict=True, ge=0.0, le=1.0, allow_inf_nan=False)]
 #: The mask epoch of a ternary task (None for scopes without epochs). Left out of the JSON when
 #: None, so messages of other tasks stay byte-identical to what readers without it expect.
 MaskEpoch = Annotated[int | None, Field(default=None, ge=0, exclude_if=lambda v: v is None)]
@@ -195,6 +198,22 @@ class Upload(_Schema):
         return cls(task_id=plan.task_id, round=plan.round, version=plan.version,
                    shape=(plan.steps, plan.perturbations), scalars=encode_scalars(g),
                    num_examples=int(num_examples), loss=float(loss))
+
+
+class DeviceMetrics(_Schema):
+    """A device's held-out scores after its part in a round (`POST .../rounds/{n}/metrics`,
+    or a Flower sync reply's metrics): numbers only, never an example.
+
+    The scores are of the device's own held-out examples, with the shared model of `version`
+    alone, with shared + its personal part, and with a head trained on its data alone (the
+    last two None for a device without a personal part, or before a local-only head exists).
+    """
+
+    version: VersionNumber  # the shared version the device scored
+    num_examples: int = Field(strict=True, ge=1, le=MAX_NUM_EXAMPLES)  # held-out examples
+    shared_accuracy: Accuracy
+    personal_accuracy: Accuracy | None = None
+    local_accuracy: Accuracy | None = None
 
 
 class LogEntryWire(_Schema):

@@ -72,6 +72,10 @@ async def current_device(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials
                                    token_hash=token_hash)
 
 
+#: The device of the bearer token (a device of the task in the path; admin not accepted).
+DeviceDep = Annotated[str, Depends(current_device)]
+
+
 async def device_credential(task_id: TaskIdPath, rt: RuntimeDep,
                             creds: Credentials) -> tuple[str | None, str]:
     """(device id if the token is cached, token hash) for the upload path: an uncached token

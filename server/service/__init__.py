@@ -21,6 +21,7 @@ from .log import (
     snapshot_info,
     task_stats,
 )
+from .metrics import device_metrics, record_device_metrics
 from .rounds import (
     cached_plan,
     close_if_due,
@@ -45,10 +46,11 @@ from .uploads import (
 
 __all__ = [
     "UploadWriter", "authenticate_device", "authenticate_hash", "bearer_device", "cached_plan",
-    "catchup_plan", "check_upload", "close_if_due", "close_round", "count_rejected", "create_task",
-    "current_plan", "devices", "enroll_device", "is_due", "list_tasks", "load_master", "log_since",
-    "metrics_text", "open_plan", "open_round", "open_snapshot", "parse_binary_upload",
-    "parse_json_upload", "prune_versions", "readiness", "recover", "revoke_device",
-    "round_metrics", "serve_log", "serve_snapshot", "snapshot_bytes", "snapshot_info",
-    "submit_upload", "task_spec", "task_stats", "task_status", "tick", "write_uploads",
+    "catchup_plan", "check_upload", "close_if_due", "close_round", "count_rejected",
+    "create_task", "current_plan", "device_metrics", "devices", "enroll_device", "is_due",
+    "list_tasks", "load_master", "log_since", "metrics_text", "open_plan", "open_round",
+    "open_snapshot", "parse_binary_upload", "parse_json_upload", "prune_versions", "readiness",
+    "record_device_metrics", "recover", "revoke_device", "round_metrics", "serve_log",
+    "serve_snapshot", "snapshot_bytes", "snapshot_info", "submit_upload", "task_spec",
+    "task_stats", "task_status", "tick", "write_uploads",
 ]

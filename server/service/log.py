@@ -14,6 +14,7 @@ from ..errors import InvalidUploadError, NotFoundError, StoreError
 from ..orm import DeviceRow, RoundRow, UploadRow, VersionRow
 from ..runtime import Runtime
 from ..schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
+from .metrics import fleet_metrics, with_fleet_accuracy
 from .rounds import wire_of
 from .tasks import (
     devices_seen,
@@ -180,6 +181,7 @@ def round_metrics(session: Session, *, task_id: str) -> list[RoundMetrics]:
         select(VersionRow).where(VersionRow.task_id == task_id, VersionRow.version > 0))}
     fedavg_each = 2 * 4 * task.scope_numel
     spec = spec_of(task)
+    reported = fleet_metrics(session, task_id=task_id)
     out = []
     for r in session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
                              .order_by(RoundRow.number)):
@@ -192,12 +194,13 @@ def round_metrics(session: Session, *, task_id: str) -> list[RoundMetrics]:
             participants, upload_bytes = session.execute(
                 select(func.count(), func.coalesce(func.sum(UploadRow.wire_bytes), 0))
                 .where(UploadRow.round_id == r.id)).one()
-        out.append(RoundMetrics(
+        out.append(with_fleet_accuracy(RoundMetrics(
             round=r.number, version=r.result_version, base_version=r.base_version, state=r.state,
             participants=participants, loss=r.loss, upload_bytes=upload_bytes,
             download_bytes=participants * (len(r.plan_json) + entry_bytes),
             fedavg_bytes=participants * fedavg_each, opened_at=r.opened_at,
-            closed_at=r.closed_at, aggregation_seconds=r.aggregation_s))
+            closed_at=r.closed_at, aggregation_seconds=r.aggregation_s),
+            reported.get(r.number, ())))
     return out
 
 

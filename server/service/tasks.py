@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
@@ -33,6 +34,9 @@ from ..schemas import TaskStatus
 from ..store import StoredFile
 from .join_tokens import new_join_token
 from .lookups import get_task, hash_token
+
+#: The form of a task secret (`secrets.token_hex(16)`; `aggregation.round_rng` reads it).
+_SECRET = re.compile(r"[0-9a-f]{32}")
 
 
 def spec_of(task: TaskRow) -> TaskSpec:
@@ -125,10 +129,16 @@ def prune_versions(rt: Runtime, *, task_id: str, version: int) -> list[str]:
 def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | None = None,
                 quorum: int = 1, round_timeout_s: float = 600.0,
                 devices_per_round: int | None = None,
-                max_devices_per_token: int | None = None) -> tuple[str, str, int, str]:
+                max_devices_per_token: int | None = None,
+                secret: str | None = None) -> tuple[str, str, int, str]:
     """Build version 0 of the task's trainable state, store it, and commit the task with
     its first join token (enrolling at most `max_devices_per_token` devices; None: the
     Settings default).
+
+    `secret` (32 lowercase hex digits) is for simulations and tests only: every round's
+    seeds and DP noise derive from it, so a fixed one makes a run repeatable. A real task
+    keeps the default, None: a fresh random secret, which no route or setting can replace
+    (whoever knows it can predict every round's seeds and noise).
 
     Returns (task_id, join_token, version 0, checksum).
     """
@@ -144,6 +154,8 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
     if devices_per_round is not None and devices_per_round < quorum:
         raise InvalidTaskError(f"devices_per_round ({devices_per_round}) is below the quorum "
                                f"({quorum}): no round could reach its quorum")
+    if secret is not None and not _SECRET.fullmatch(secret):
+        raise InvalidTaskError("a task secret is 32 lowercase hex digits")
     check_plan_fits(spec, rt.settings.max_body_bytes)
     publisher(spec.format)  # unknown or not yet available formats fail before any work
     try:
@@ -166,7 +178,7 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
         row = TaskRow(id=task_id, name=name or task_id, spec_json=json.dumps(spec.to_dict()),
                       format=spec.format, quorum=quorum, round_timeout_s=round_timeout_s,
                       devices_per_round=devices_per_round, join_token_hash="",
-                      secret=secrets.token_hex(16), current_version=0,
+                      secret=secret or secrets.token_hex(16), current_version=0,
                       scope_numel=bundle.scope.numel)
         s.add(row)
         s.flush()

@@ -257,7 +257,8 @@
   /**
    * Lines with points over categories; gaps where a value is null.
    * opts: {categories, series: [{name, cls, values, axis: "left"|"right"}], yTitle, xTitle,
-   *        formatY, rightTitle, formatRight, rightDomain: [lo, hi], emptyMessage}
+   *        formatY, domain: [lo, hi] (left axis; default: the values, padded), rightTitle,
+   *        formatRight, rightDomain: [lo, hi], emptyMessage}
    */
   function lineChart(container, opts) {
     const categories = opts.categories || [];
@@ -277,7 +278,9 @@
       const lo = Math.min.apply(null, leftValues);
       const hi = Math.max.apply(null, leftValues);
       const pad = (hi - lo) * 0.08;
-      const ticks = linearTicks(lo - pad, hi + pad, 5);
+      // A fixed domain (accuracies: 0..1) keeps rounds comparable as the values move.
+      const ticks = opts.domain ? linearTicks(opts.domain[0], opts.domain[1], 5)
+        : linearTicks(lo - pad, hi + pad, 5);
       scales.left = yScale([ticks[0], ticks[ticks.length - 1]], plot, false);
       drawYAxis(svg, plot, ticks, scales.left, fmt, opts.yTitle, "left");
     }

@@ -114,6 +114,15 @@
       aggregationSeconds: first(r, ["aggregation_seconds"]),
       opened: first(r, ["opened_at"]),
       closed: first(r, ["closed_at"]),
+      // The devices' held-out accuracies reported for the round (DeviceMetrics): fleet mean
+      // and worst decile, shared model over every reporting device, personalized over those
+      // with a personal part.
+      metricDevices: first(r, ["metric_devices"], 0),
+      personalDevices: first(r, ["personal_devices"], 0),
+      sharedMean: first(r, ["shared_accuracy_mean"]),
+      sharedWorst: first(r, ["shared_accuracy_worst_decile"]),
+      personalMean: first(r, ["personal_accuracy_mean"]),
+      personalWorst: first(r, ["personal_accuracy_worst_decile"]),
     };
   }
 
@@ -287,6 +296,7 @@
       rightTitle: "accuracy", rightDomain: [0, 1], emptyMessage: "no uploads yet",
       formatRight: (v) => Math.round(v * 100) + "%", series: lossSeries,
     });
+    renderPersonal(rounds, categories);
     const bytes = [{ name: "uploaded", cls: "upload", values: rounds.map((r) => r.upload) }];
     if (rounds.some((r) => r.download !== null)) {
       bytes.push({ name: "downloaded", cls: "download", values: rounds.map((r) => r.download) });
@@ -296,6 +306,36 @@
       title: "bytes", categories: categories, xTitle: "round", yTitle: "bytes", log: true,
       formatY: C.formatBytes, series: bytes, emptyMessage: "no bytes moved yet",
     });
+  }
+
+  // Shared vs personalized accuracy across the fleet: shown once any device reported.
+  function renderPersonal(rounds, categories) {
+    const reported = rounds.filter((r) => r.sharedMean !== null);
+    $("#personal-figure").hidden = reported.length === 0;
+    if (!reported.length) return;
+    const last = reported[reported.length - 1];
+    $("#personal-note").textContent = "(round " + last.round + ": " + last.metricDevices +
+      " devices reported, " + last.personalDevices + " with a personal part)";
+    const pct = (v) => Math.round(v * 100) + "%";
+    C.lineChart($("#chart-personal"), {
+      title: "held-out accuracy", categories: categories, xTitle: "round",
+      yTitle: "accuracy", domain: [0, 1], formatY: pct, emptyMessage: "no device reported yet",
+      series: [
+        { name: "shared, mean", cls: "shared-mean", values: rounds.map((r) => r.sharedMean) },
+        { name: "shared, worst decile", cls: "shared-worst",
+          values: rounds.map((r) => r.sharedWorst) },
+        { name: "personalized, mean", cls: "personal-mean",
+          values: rounds.map((r) => r.personalMean) },
+        { name: "personalized, worst decile", cls: "personal-worst",
+          values: rounds.map((r) => r.personalWorst) },
+      ].filter((s) => s.values.some((v) => v !== null)), // a fleet without personal parts
+    });
+  }
+
+  function accuracyCell(r) {
+    if (r.sharedMean === null) return "–";
+    const pct = (v) => (v * 100).toFixed(1) + "%";
+    return pct(r.sharedMean) + (r.personalMean === null ? "" : " → " + pct(r.personalMean));
   }
 
   function renderRounds(rounds) {
@@ -309,6 +349,7 @@
       cell(tr, r.base + " → " + (r.result === null ? "…" : r.result), r.result);
       cell(tr, r.participants, r.participants);
       cell(tr, r.loss === null ? "–" : C.formatNumber(r.loss, 5), r.loss);
+      cell(tr, accuracyCell(r), r.personalMean !== null ? r.personalMean : r.sharedMean);
       cell(tr, C.formatBytes(r.upload), r.upload);
       cell(tr, C.formatBytes(r.download), r.download);
       cell(tr, C.formatBytes(r.fedavg), r.fedavg);

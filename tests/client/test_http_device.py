@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import DeviceConfig, DeviceHttpError, HttpDevice
+from seedfed.client.personal import PersonalConfig
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
@@ -29,11 +30,13 @@ def world(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
                     max_seq_len=16)
     task_id, join = coord.create_task_with_token(spec, quorum=50)  # closed by hand below
     with TestClient(create_app(runtime=coord.rt)) as client:
-        def device(i: int, token: str | None = join) -> HttpDevice:
+        def device(i: int, token: str | None = join,
+                   personal: PersonalConfig | None = None) -> HttpDevice:
             cfg = DeviceConfig(url="http://testserver", task_id=task_id, join_token=token,
                                state_dir=tmp_path / f"dev{i}", model=str(model), poll_s=0.05,
                                data=DeviceData(source=str(data), partition_id=i,
-                                               num_partitions=2, alpha=1.0))
+                                               num_partitions=2, alpha=1.0),
+                               personal=personal)
             return HttpDevice(cfg, client=client)
 
         yield {"coord": coord, "task": task_id, "device": device}
@@ -64,6 +67,31 @@ def test_two_devices_train_two_rounds_and_match_the_coordinator(world: dict) -> 
     # the aggregation weight is each device's training-set size (FedAvg's n_k), not its batch
     sizes = [len(d.examples()) for d in devices]
     assert [o.num_examples for o in first] == sizes and sizes != [8, 8]
+
+
+def test_a_personalized_device_reports_its_held_out_accuracies_for_each_round(
+        world: dict) -> None:
+    # Arrange: one device with a personal part, one without
+    coord, task = world["coord"], world["task"]
+    personal, plain = world["device"](0, personal=PersonalConfig()), world["device"](1)
+    for d in (personal, plain):
+        d.enroll()
+
+    # Act
+    plan = coord.open_round(task)
+    outcomes = [d.train_and_upload(plan) for d in (personal, plain)]
+    (row,) = coord.device_metrics(task, plan.round)
+    (stats,) = coord.stats(task).rounds
+
+    # Assert: the numbers it scored, stored for the round; nothing from the plain device
+    sent = outcomes[0].metrics
+    assert sent is not None and outcomes[1].metrics is None
+    assert (row.device_id, row.version, row.num_examples) == (
+        personal.meta["device_id"], plan.version, len(personal.held_out()))
+    assert (row.shared_accuracy, row.personal_accuracy, row.local_accuracy) == (
+        sent.shared_accuracy, sent.personal_accuracy, sent.local_accuracy)
+    assert row.personal_accuracy is not None and row.local_accuracy is not None
+    assert (stats.metric_devices, stats.personal_accuracy_mean) == (1, sent.personal_accuracy)
 
 
 def test_a_restarted_device_keeps_its_token_and_state(world: dict) -> None:

@@ -217,6 +217,16 @@ def test_no_personal_byte_is_on_the_wire_and_uploads_weigh_the_same(
     assert set(last) == set(NODES)
     assert all(p is not None and loc is not None for _, p, loc in last.values())
     assert all(p is None for _, p, _ in plain_strategy.history[-1].device_accuracy.values())
+    # the coordinator stored every device's numbers per round (the strategy's service call)
+    for record, row in zip(strategy.history, coord.stats(personal_task).rounds, strict=True):
+        scores = record.device_accuracy.values()
+        assert (row.round, row.metric_devices, row.personal_devices) == (record.round, 2, 2)
+        assert row.shared_accuracy_mean == pytest.approx(sum(a for a, _, _ in scores) / 2)
+        assert row.personal_accuracy_worst_decile == min(p for _, p, _ in scores)
+    reports = coord.device_metrics(personal_task, strategy.history[-1].round)
+    assert {m.version for m in reports} == {strategy.history[-1].version}
+    plain_rows = coord.stats(plain_task).rounds
+    assert [(r.metric_devices, r.personal_devices) for r in plain_rows] == [(2, 0), (2, 0)]
 
 
 # -- the REST device's state directory and `seedfed evaluate --device` --------------------------

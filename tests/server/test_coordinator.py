@@ -109,3 +109,24 @@ def test_an_in_process_upload_counts_its_binary_form_like_the_rest_route(
 
     # bytes on the wire: the 16-byte header and 4 bytes per scalar, not the JSON form
     assert coord.round_metrics(task_id)[0].upload_bytes == 16 + 4 * plan.steps * plan.perturbations
+
+
+def test_a_given_task_secret_repeats_the_rounds_seeds_and_a_default_one_does_not(
+        coord: Coordinator, tiny_bert: Path) -> None:
+    secret = "0123456789abcdef" * 2  # simulations and tests only (seedfed simulate --seed)
+    fixed = [coord.create_task(tiny_spec(tiny_bert), secret=secret) for _ in range(2)]
+    drawn = [coord.create_task(tiny_spec(tiny_bert)) for _ in range(2)]
+
+    seeds = [coord.open_round(t).seeds for t in fixed + drawn]
+
+    assert seeds[0] == seeds[1]
+    assert seeds[2] != seeds[3] and seeds[2] != seeds[0]
+
+
+@pytest.mark.parametrize("secret", ["", "0123", "0123456789ABCDEF" * 2, "g" * 32])
+def test_a_malformed_task_secret_is_refused(coord: Coordinator, tiny_bert: Path,
+                                            secret: str) -> None:
+    from seedfed.server.errors import InvalidTaskError
+
+    with pytest.raises(InvalidTaskError, match="secret"):
+        coord.create_task(tiny_spec(tiny_bert), secret=secret)

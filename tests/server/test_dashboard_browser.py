@@ -198,6 +198,62 @@ def test_charts_and_tables_match_the_payload(browser: Browser, base_url: str,
     # rounds table, newest first, one row per round
     assert values(page, "#rounds tbody tr", "data-round") == [str(r.round) for r in rounds][::-1]
     assert page.is_hidden("#devices-section")
+    assert page.is_hidden("#personal-figure")  # no device reported accuracies
+    assert problems == []
+    page.close()
+
+
+def with_accuracy(r: RoundMetrics) -> RoundMetrics:
+    """`r` as if 10 devices (8 with a personal part) reported their held-out accuracies."""
+    k = r.round / 10
+    return r.model_copy(update={
+        "metric_devices": 10, "personal_devices": 8, "shared_accuracy_mean": 0.55 + k / 4,
+        "shared_accuracy_worst_decile": 0.2 + k / 5, "personal_accuracy_mean": 0.7 + k / 5,
+        "personal_accuracy_worst_decile": 0.45 + k / 4})
+
+
+def test_shared_vs_personalized_accuracy_chart_shows_the_reported_rounds(
+        browser: Browser, base_url: str, fixture_api: FixtureApi) -> None:
+    # Arrange: rounds 2..8 carry the devices' reports; the others (and the idle task) none
+    saved = list(fixture_api.rounds)
+    fixture_api.rounds[2:9] = [with_accuracy(r) for r in saved[2:9]]
+    reported = fixture_api.rounds[2:9]
+    series = {"shared-mean": "shared_accuracy_mean",
+              "shared-worst": "shared_accuracy_worst_decile",
+              "personal-mean": "personal_accuracy_mean",
+              "personal-worst": "personal_accuracy_worst_decile"}
+    try:
+        # Act
+        page, problems = open_dashboard(browser, base_url, TOKEN)
+        drawn = {cls: [float(v) for v in values(page, f"#chart-personal circle.pt.{cls}")]
+                 for cls in series}
+        rounds_of_points = values(page, "#chart-personal circle.pt.personal-mean",
+                                  "data-category")
+        dashed = page.eval_on_selector(
+            "#chart-personal path.line.personal-worst",
+            "e => getComputedStyle(e).strokeDasharray")
+        ticks = page.eval_on_selector_all("#chart-personal .axis.y text:not(.axis-title)",
+                                          "els => els.map(e => e.textContent)")
+        note = text(page, "#personal-note")
+        row = text(page, '#rounds tbody tr[data-round="8"]')
+        page.click('#tasks tbody tr[data-task-id="b"]')
+        expect(page.locator("#task-title")).to_have_text("b · " + HOSTILE_NAME)
+        hidden_for_idle = page.is_hidden("#personal-figure")
+    finally:
+        fixture_api.rounds[:] = saved
+
+    # Assert: one point per reported round and series, the payload's numbers, on a 0..1 axis
+    assert page.locator("#personal-figure").count() == 1
+    for cls, field in series.items():
+        assert drawn[cls] == pytest.approx([getattr(r, field) for r in reported]), cls
+    assert rounds_of_points == [str(r.round) for r in reported]
+    assert dashed not in ("", "none")
+    assert ticks[0] == "0%" and ticks[-1] == "100%"
+    assert "round 8: 10 devices reported, 8 with a personal part" in note
+    last = reported[-1]
+    assert f"{last.shared_accuracy_mean * 100:.1f}% → {last.personal_accuracy_mean * 100:.1f}%" \
+        in row
+    assert hidden_for_idle
     assert problems == []
     page.close()
 

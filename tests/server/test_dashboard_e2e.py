@@ -21,7 +21,7 @@ from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
 from seedfed.shared.models import build_model
 from seedfed.shared.replay import checksum, replay
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
 from .conftest import tiny_spec
 from .dashboard_harness import Browser, Page, browser_fixture, open_dashboard, serve
@@ -56,6 +56,16 @@ def batches(tokenizer: Any, offset: int) -> Iterator[dict[str, torch.Tensor]]:
         enc = tokenizer([t for t, _ in rows], padding=True, return_tensors="pt")
         yield {**enc, "labels": torch.tensor([y for _, y in rows])}
         i += 1
+
+
+@torch.no_grad()
+def held_out_accuracy(bundle: Any, k: int) -> float:
+    """Device k's accuracy on its 3 held-out sentences with the shared model it holds (these
+    devices have no personal part: they report the shared model's accuracy alone)."""
+    rows = [SENTENCES[(3 * k + j) % len(SENTENCES)] for j in range(3)]
+    enc = bundle.tokenizer([t for t, _ in rows], padding=True, return_tensors="pt")
+    predicted = bundle.model(**enc).logits.argmax(-1)
+    return float((predicted == torch.tensor([y for _, y in rows])).float().mean())
 
 
 def wait_for_version(http: httpx.Client, task_id: str, version: int) -> None:
@@ -110,6 +120,12 @@ def run_scenario(base_url: str, model_path: Path) -> Fleet:
                                     params={"since": version - 1}).raise_for_status().json()
         replay(bundle.scope, [LogEntryWire.model_validate(e).to_entry() for e in entries],
                task_id=task_id, version=version - 1, verify=True)
+        for k in range(participants):  # each scores its own 3 held-out sentences at v
+            score = DeviceMetrics(version=version, num_examples=3,
+                                  shared_accuracy=held_out_accuracy(bundle, k))
+            devices[k][1].post(f"/v1/tasks/{task_id}/rounds/{plan['round']}/metrics",
+                               content=score.model_dump_json(),
+                               headers={"Content-Type": "application/json"}).raise_for_status()
     admin.post(f"/v1/tasks/{task_id}/rounds").raise_for_status()
     for k in range(PARTICIPATION[-1]):  # below quorum: the round stays open
         upload(k)
@@ -186,6 +202,14 @@ def test_dashboard_shows_what_the_api_says(browser: Browser, fleet: Fleet,
     for cls, field in (("upload", "upload_bytes"), ("fedavg", "fedavg_bytes")):
         assert numbers(page, f"#chart-bytes rect.bar.{cls}") == [r[field] for r in rounds]
     assert all(r["fedavg_bytes"] > 10 * r["upload_bytes"] for r in rounds)
+    # held-out accuracy: the fleet's mean and worst decile of what the devices reported
+    reported = [r for r in rounds if r["shared_accuracy_mean"] is not None]
+    assert [r["metric_devices"] for r in rounds] == PARTICIPATION[:-1] + [0]
+    for cls, field in (("shared-mean", "shared_accuracy_mean"),
+                       ("shared-worst", "shared_accuracy_worst_decile")):
+        assert numbers(page, f"#chart-personal circle.pt.{cls}") == \
+            pytest.approx([r[field] for r in reported]), cls
+    assert page.locator("#chart-personal circle.pt.personal-mean").count() == 0
     # table: every round, newest first
     assert page.eval_on_selector_all("#rounds tbody tr", "els => els.map(e => e.dataset.round)") \
         == [str(r["round"]) for r in reversed(rounds)]

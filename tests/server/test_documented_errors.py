@@ -135,6 +135,10 @@ CASES: dict[str, tuple[Callable[[World], Response], int, str]] = {
                            "RequestValidationError"),
     "round mismatch": (lambda w: _upload(w, Upload.build(w.plan, _g(w), 3, 0.5).model_copy(
         update={"round": 2}).model_dump_json()), 422, "InvalidUploadError"),
+    "metrics of a version the task never had": (lambda w: w.client.post(
+        f"/v1/tasks/{w.task}/rounds/1/metrics", headers=bearer(w.device), json={
+            "version": 5, "num_examples": 4, "shared_accuracy": 0.5}), 422,
+        "InvalidMetricsError"),
     "bad task definition": (lambda w: w.client.post("/v1/tasks", json={
         "spec": {"model_path": "x", "format": "int3"}}, headers=ADMIN), 422,
         "InvalidTaskError"),

@@ -83,6 +83,11 @@ def test_strategy_over_rest_trains_and_every_device_matches(task: dict) -> None:
     assert [r.version for r in strategy.history] == [1, 2]
     assert set(strategy.history[-1].device_checksums.values()) == {status.checksum}
     assert [m.participants for m in coord.round_metrics(task["task"])] == [2, 2]
+    # each synced device's held-out accuracy went to the coordinator as that device, over REST
+    stored = coord.round_metrics(task["task"])
+    assert [m.metric_devices for m in stored] == [2, 2]
+    assert [m.shared_accuracy_mean for m in stored] == pytest.approx(
+        [sum(a for a, _, _ in r.device_accuracy.values()) / 2 for r in strategy.history])
 
 
 def test_rest_adapter_reports_the_coordinators_refusal(task: dict) -> None:

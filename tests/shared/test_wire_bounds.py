@@ -11,6 +11,7 @@ from seedfed.shared.wire import (
     MAX_ABS_LOSS,
     MAX_DIM,
     MAX_NUM_EXAMPLES,
+    DeviceMetrics,
     RoundPlan,
     Upload,
     encode_scalars,
@@ -69,3 +70,39 @@ def test_binary_header_dimensions_are_bounded():
 
     with pytest.raises(WireFormatError, match="1..65536"):
         unpack_binary(data)
+
+
+# -- device metrics (issue 12): a device's held-out accuracies, numbers only -----------------
+def metrics_body(**update: object) -> str:
+    d: dict[str, object] = {"version": 3, "num_examples": 48, "shared_accuracy": 0.5,
+                            "personal_accuracy": 0.75, "local_accuracy": 0.625}
+    d.update(update)
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("update", [
+    {"shared_accuracy": 1.0000001}, {"shared_accuracy": -0.1}, {"personal_accuracy": 2},
+    {"local_accuracy": -1e-9}, {"shared_accuracy": "0.5"}, {"shared_accuracy": True},
+    {"shared_accuracy": None}, {"num_examples": 0}, {"num_examples": MAX_NUM_EXAMPLES + 1},
+    {"num_examples": 4.0}, {"version": -1}, {"version": 2**31}, {"version": "3"},
+    {"examples": ["a sentence"]}, {"schema_version": 2},
+], ids=str)
+def test_device_metrics_out_of_range_non_strict_or_extra_are_refused(update: dict[str, object]):
+    with pytest.raises(ValidationError):
+        DeviceMetrics.model_validate_json(metrics_body(**update))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_device_metrics_refuse_non_finite_accuracies(value: float):
+    with pytest.raises(ValidationError):
+        DeviceMetrics(version=0, num_examples=1, shared_accuracy=value)
+
+
+def test_device_metrics_accept_the_bounds_and_leave_the_personal_scores_optional():
+    edge = DeviceMetrics.model_validate_json(metrics_body(shared_accuracy=0, personal_accuracy=1,
+                                                          num_examples=MAX_NUM_EXAMPLES))
+    plain = DeviceMetrics.model_validate_json(json.dumps(
+        {"version": 0, "num_examples": 1, "shared_accuracy": 0.25}))
+
+    assert (edge.shared_accuracy, edge.personal_accuracy) == (0.0, 1.0)
+    assert (plain.personal_accuracy, plain.local_accuracy) == (None, None)

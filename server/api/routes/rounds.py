@@ -1,4 +1,4 @@
-"""Rounds: open and close (admin), the current plan, uploads (device)."""
+"""Rounds: open and close (admin), the current plan, uploads and held-out metrics (device)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ from typing import Any
 from fastapi import APIRouter, BackgroundTasks, Request, status
 from fastapi.concurrency import run_in_threadpool
 from seedfed.shared.messages import HEADER_LOSS, HEADER_NUM_EXAMPLES, HEADER_VERSION
-from seedfed.shared.wire import MAX_NUM_EXAMPLES, MAX_VERSION, LogEntryWire, RoundPlan, Upload
+from seedfed.shared.wire import (
+    MAX_NUM_EXAMPLES,
+    MAX_VERSION,
+    DeviceMetrics,
+    LogEntryWire,
+    RoundPlan,
+    Upload,
+)
 
 from ... import service
 from ...errors import NotFoundError
-from ...schemas import UploadReceipt
-from ..deps import AdminDep, DeviceCredential, ReaderDep, RuntimeDep, WriterDep
+from ...schemas import MetricsReceipt, UploadReceipt
+from ..deps import AdminDep, DeviceCredential, DeviceDep, ReaderDep, RuntimeDep, WriterDep
 from ..ingest import ingest
 from ..openapi import RoundPath, TaskIdPath, errors
 
@@ -89,3 +96,13 @@ async def upload(
         background.add_task(service.close_if_due, rt, task_id=task_id, round_id=due)
     return receipt
 
+
+@router.post("/{round_number}/metrics", response_model=MetricsReceipt,
+             responses=errors(400, 401, 403, 404, 413, 422))
+async def metrics(task_id: TaskIdPath, round_number: RoundPath, body: DeviceMetrics,
+                  device: DeviceDep, rt: RuntimeDep) -> MetricsReceipt:
+    """A device's held-out accuracies after its part in the round (numbers only): shared model
+    alone, shared + personal, local only. A repeat replaces the device's earlier report for
+    the round."""
+    return await run_in_threadpool(service.record_device_metrics, rt, task_id=task_id,
+                                   round_number=round_number, device_id=device, metrics=body)

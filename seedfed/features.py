@@ -1,0 +1,177 @@
+"""One feature encoding per simulation: a `shared.models.FeatureStore` in the run directory.
+
+A `MeanPoolClassifier` caches, per process, what the frozen encoder computes for a sentence.
+A simulation runs its devices in several Ray actors (and scores in the driver), so without a
+shared store every process encodes the sentences of every device it happens to serve. Because
+a cached row is computed in a canonical context (`shared.models.FEATURE_GROUP`), a row that one
+process computed is bit for bit the row any other would: sharing it changes no device's
+scalars, only who pays for the encoding.
+
+Layout: `<root>/<namespace>/<pid>-<nonce>.seg`, one append-only segment per process and model
+namespace; only its owner writes it. A record is a header (`SFF1`, key length, number of
+dimensions, the dimensions; little-endian uint32), the key, then the float32 row. Readers
+index every segment incrementally (key -> file and offset) and read rows on demand, so the
+memory of a process holds an index, not the features; a record still being written is skipped
+until it is whole. Two processes that miss the same sentence at the same moment both encode it
+(to the same bits); the first record read wins.
+
+A simulation optimization only: a device of a real fleet keeps its own cache and encodes its
+own data (in the same canonical context).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MAGIC = b"SFF1"
+_HEAD = struct.Struct("<4sII")  # magic, key length, number of dimensions
+_DIM = struct.Struct("<I")
+
+
+def _record(key: bytes, row: torch.Tensor) -> bytes:
+    data = row.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+    dims = b"".join(_DIM.pack(d) for d in data.shape)
+    return _HEAD.pack(MAGIC, len(key), data.ndim) + dims + key + data.tobytes()
+
+
+class _Namespace:
+    """One process's view of one namespace directory: its own segment and an index of all."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self.own = path / f"{os.getpid()}-{secrets.token_hex(4)}.seg"
+        self.index: dict[bytes, tuple[Path, int, tuple[int, ...]]] = {}
+        self.offsets: dict[Path, int] = {}
+
+    def refresh(self) -> None:
+        """Index the records appended to every segment since the last refresh."""
+        for seg in sorted(self.path.glob("*.seg")):
+            start = self.offsets.get(seg, 0)
+            with seg.open("rb") as f:
+                f.seek(start)
+                chunk = f.read()
+            pos = 0
+            while pos + _HEAD.size <= len(chunk):
+                magic, klen, ndim = _HEAD.unpack_from(chunk, pos)
+                if magic != MAGIC:
+                    raise ValueError(f"{seg}: not a feature segment at byte {start + pos}")
+                dims_end = pos + _HEAD.size + ndim * _DIM.size
+                if dims_end > len(chunk):
+                    break
+                shape = tuple(_DIM.unpack_from(chunk, pos + _HEAD.size + i * _DIM.size)[0]
+                              for i in range(ndim))
+                end = dims_end + klen + 4 * int(np.prod(shape, dtype=np.int64))
+                if end > len(chunk):
+                    break  # its writer has not finished it yet
+                key = chunk[dims_end:dims_end + klen]
+                self.index.setdefault(key, (seg, start + dims_end + klen, shape))
+                pos = end
+            self.offsets[seg] = start + pos
+
+    def read(self, keys: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
+        out: dict[bytes, torch.Tensor] = {}
+        by_file: dict[Path, list[bytes]] = {}
+        for key in keys:
+            if key in self.index:
+                by_file.setdefault(self.index[key][0], []).append(key)
+        for seg, found in by_file.items():
+            with seg.open("rb") as f:
+                for key in found:
+                    _, offset, shape = self.index[key]
+                    f.seek(offset)
+                    n = int(np.prod(shape, dtype=np.int64))
+                    row = np.frombuffer(f.read(4 * n), dtype="<f4").reshape(shape)
+                    out[key] = torch.from_numpy(row.astype(np.float32))  # a writable copy
+        return out
+
+    def write(self, rows: Mapping[bytes, torch.Tensor]) -> None:
+        records = [_record(k, v) for k, v in rows.items() if k not in self.index]
+        if records:
+            with self.own.open("ab") as f:  # only this process appends to its segment
+                f.write(b"".join(records))
+
+
+class SharedFeatures:
+    """A FeatureStore over a directory, shared by every process of one simulation. Pickles as
+    its path (it travels to the Ray actors inside the ClientApp); each process opens its own
+    segments and index."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._spaces: dict[str, _Namespace] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.root, self._spaces = Path(state["root"]), {}
+
+    def _space(self, namespace: str) -> _Namespace:
+        if not namespace.isalnum():
+            raise ValueError(f"feature namespace {namespace!r} is not a hex digest")
+        if namespace not in self._spaces:
+            self._spaces[namespace] = _Namespace(self.root / namespace)
+        return self._spaces[namespace]
+
+    def get(self, namespace: str, keys: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
+        space = self._space(namespace)
+        if any(k not in space.index for k in keys):
+            space.refresh()
+        return space.read(keys)
+
+    def put(self, namespace: str, rows: Mapping[bytes, torch.Tensor]) -> None:
+        self._space(namespace).write(rows)
+
+
+def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: int) -> int:
+    """Encode every device's data (its training and local held-out examples, `data` with each
+    partition id) into `store` before the first round, in `workers` processes; returns the
+    rows encoded. Without it the first round pays for the whole encoding inside the devices'
+    first messages, which on a loaded machine passed the 600 s round timeout (devices then
+    miss round 1). A no-op for a model without a feature cache."""
+    from dataclasses import replace
+
+    parts = [list(range(w, devices, workers)) for w in range(max(1, min(workers, devices)))]
+    jobs = [(str(store.root), spec.to_dict(), replace(data, partition_id=0), p) for p in parts]
+    if len(jobs) == 1:
+        return _prefill_part(*jobs[0])
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as ex:
+        return sum(ex.map(_prefill_part, *zip(*jobs, strict=True)))
+
+
+def _prefill_part(root: str, spec_dict: dict[str, Any], data: Any,
+                  partitions: list[int]) -> int:
+    """One worker of `prefill`: its partitions' examples, encoded on one thread."""
+    from dataclasses import replace
+
+    from seedfed.client.device_data import load_device_examples
+    from seedfed.shared.models import build_model, expect_texts, pooled_classifier, share_features
+    from seedfed.shared.task import TaskSpec
+
+    torch.set_num_threads(1)
+    spec = TaskSpec.from_dict(spec_dict)
+    bundle = build_model(spec, initialize=False)
+    inner = pooled_classifier(bundle.model)
+    if inner is None or inner.frozen_prefix == 0:
+        return 0
+    share_features(bundle.model, SharedFeatures(Path(root)))
+    encoded = 0
+    for p in partitions:
+        train, held = load_device_examples(replace(data, partition_id=p))
+        texts = list(train.texts) + list(held.texts)
+        expect_texts(bundle.model, bundle.tokenizer, texts, spec.max_seq_len)
+        encoded += inner.warm()
+        inner.clear_cache()  # the store holds them; a worker's memory stays one partition's
+    return encoded

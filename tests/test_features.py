@@ -1,0 +1,56 @@
+"""The run directory's shared feature store: what one process puts, another gets bit for bit."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedfed.features import SharedFeatures
+
+NS = "ab12" * 16
+
+
+def _rows() -> dict[bytes, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {b"pooled": torch.randn(384, generator=gen),  # a head's pooled feature
+            b"states": torch.randn(7, 384, generator=gen),  # token states entering layer k
+            b"tiny": torch.tensor([-0.0, 1e-45, float("inf")])}  # bits, not values
+
+
+def test_rows_put_by_one_process_are_read_by_another_bit_for_bit(tmp_path: Path) -> None:
+    writer = SharedFeatures(tmp_path)
+    reader = pickle.loads(pickle.dumps(SharedFeatures(tmp_path)))  # as a Ray actor gets it
+    rows = _rows()
+
+    assert reader.get(NS, list(rows)) == {}
+    writer.put(NS, rows)
+    got = reader.get(NS, list(rows) + [b"unknown"])
+
+    assert set(got) == set(rows)
+    for key, row in rows.items():
+        assert got[key].shape == row.shape
+        assert torch.equal(got[key].view(torch.int32), row.view(torch.int32))
+
+
+def test_a_record_still_being_written_is_skipped_until_whole(tmp_path: Path) -> None:
+    writer, reader = SharedFeatures(tmp_path), SharedFeatures(tmp_path)
+    writer.put(NS, {b"done": torch.ones(4)})
+    segment = next((tmp_path / NS).glob("*.seg"))
+    whole = segment.read_bytes()
+    segment.write_bytes(whole[:-3])  # the writer is mid-record
+
+    assert reader.get(NS, [b"done"]) == {}
+    segment.write_bytes(whole)
+    assert torch.equal(reader.get(NS, [b"done"])[b"done"], torch.ones(4))
+
+
+def test_namespaces_are_separate_and_must_be_digests(tmp_path: Path) -> None:
+    store = SharedFeatures(tmp_path)
+    store.put(NS, {b"k": torch.zeros(2)})
+
+    assert store.get("cd34" * 16, [b"k"]) == {}
+    with pytest.raises(ValueError, match="namespace"):
+        store.get("../elsewhere", [b"k"])

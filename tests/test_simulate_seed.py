@@ -1,0 +1,61 @@
+"""`seedfed simulate --seed S` repeats: same seed, same final checksum; another seed, another.
+
+Three short runs of a tiny sentence-transformers model (head scope, so the devices' feature
+cache and the run's shared feature store are on) through Flower's Simulation Engine, whose Ray
+actors serve the virtual devices in whatever order their timing gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from seedfed.cli import app
+from seedfed.simulate import FEATURES_DIR, simulation_secret
+from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # 2-10 min on the loaded 2 cores
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("seeded")
+    return (root, make_tiny_sentence_bert(root / "model"),
+            write_sentiment_tsv(root / "data.tsv", n=300))
+
+
+def _final(inputs: tuple[Path, Path, Path], name: str, seed: int) -> dict:
+    root, model, data = inputs
+    out = root / name
+    result = CliRunner().invoke(app, [
+        "simulate", "--devices", "3", "--rounds", "3", "--model", str(model),
+        "--data", str(data), "--scope", "head", "--steps", "2", "--perturbations", "4",
+        "--batch-size", "8", "--eval-size", "30", "--eval-every", "3", "--cpus", "2",
+        "--seed", str(seed), "--out", str(out)])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    report = json.loads((out / "report.json").read_text())
+    assert (out / FEATURES_DIR).is_dir()  # the run shared its features through the store
+    return report
+
+
+def test_the_same_seed_gives_the_same_final_checksum_and_another_seed_another(
+        inputs: tuple[Path, Path, Path]) -> None:
+    first = _final(inputs, "a", seed=7)
+    again = _final(inputs, "b", seed=7)
+    other = _final(inputs, "c", seed=8)
+
+    assert first["final_version"] == again["final_version"] == 3
+    assert first["final_checksum"] == again["final_checksum"]
+    assert other["final_checksum"] != first["final_checksum"]
+
+
+def test_a_simulation_secret_is_a_task_secret_derived_from_the_seed_alone() -> None:
+    secret = simulation_secret(7)
+
+    assert secret == simulation_secret(7) != simulation_secret(8)
+    # a benchmark's repeats of one fleet: one secret per training run
+    assert len({secret, simulation_secret(7, 1), simulation_secret(7, 2)}) == 3
+    assert len(secret) == 32 and all(c in "0123456789abcdef" for c in secret)
