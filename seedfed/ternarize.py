@@ -106,6 +106,13 @@ def read_meta(out: Path) -> dict[str, Any] | None:
 
 # -- the student --------------------------------------------------------------------------------
 
+def _frozen(model: nn.Module) -> nn.Module:
+    """`model` in eval mode with no parameter requiring a gradient (a teacher, or a result)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
 def _student(encoder: nn.Module, act_bits: int | None) -> nn.Module:
     from seedfed.shared.ternary import bitlinear_modules, convert_to_bitlinear
 
@@ -192,17 +199,13 @@ def distill(teacher: nn.Module, tokenizer: Any, texts: Sequence[str], config: Te
     """The BitLinear student of `teacher` (an encoder returning `last_hidden_state`), trained
     to reproduce its token states and mean-pooled embeddings on `texts`."""
     torch.manual_seed(config.seed)
-    teacher = teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    teacher = _frozen(teacher)
     student = _student(teacher, config.act_bits)
     _fit(student, lambda batch: _distill_loss(student, teacher, batch, config.token_weight),
          tokenizer, texts, epochs=config.epochs, batch_size=config.batch_size,
          max_len=config.max_len, lr=config.lr, weight_decay=config.weight_decay,
          seed=config.seed, lm=False, on_step=on_step)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    return student.eval()
+    return _frozen(student)
 
 
 # -- scoring ------------------------------------------------------------------------------
@@ -508,9 +511,7 @@ def pretrain(model: nn.Module, tokenizer: Any, texts: Sequence[str], config: Cau
          epochs=config.pretrain_epochs, batch_size=config.batch_size, max_len=config.max_len,
          lr=config.pretrain_lr, weight_decay=config.weight_decay, seed=config.seed, lm=True,
          on_step=on_step)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
+    return _frozen(model)
 
 
 def distill_causal(teacher: nn.Module, tokenizer: Any, texts: Sequence[str],
@@ -519,17 +520,13 @@ def distill_causal(teacher: nn.Module, tokenizer: Any, texts: Sequence[str],
     """The BitLinear student of a causal LM (every Linear but `lm_head`), distilled from its
     next-token distributions on `texts`."""
     torch.manual_seed(config.seed)
-    teacher = teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
+    teacher = _frozen(teacher)
     student = _student(teacher, config.act_bits)
     _fit(student, lambda batch: _kd_loss(student, teacher, batch, config.hard_weight),
          tokenizer, texts, epochs=config.distill_epochs, batch_size=config.batch_size,
          max_len=config.max_len, lr=config.distill_lr, weight_decay=config.weight_decay,
          seed=config.seed + 1, lm=True, on_step=on_step)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    return student.eval()
+    return _frozen(student)
 
 
 @torch.no_grad()

