@@ -73,6 +73,8 @@ class CreateOptions:
     patterns: tuple[str, ...] = ()
     fmt: str | None = None
     lr: float | None = None
+    decay_rounds: int | None = None
+    lr_final_ratio: float | None = None
     eps: float | None = None
     steps: int | None = None
     perturbations: int | None = None
@@ -120,11 +122,14 @@ def build_spec(o: CreateOptions) -> TaskSpec:
         options = options_for(kind, {"patterns": list(patterns)} if patterns else {})
         if (kind, options) != (spec.scope, spec.scope_options):
             spec = replace(spec, scope=kind, scope_options=options, step_scales=(),
-                           hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps))
+                           hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps,
+                                         decay_rounds=None))
     elif o.patterns:
         spec = replace(spec, scope_options=options_for(spec.scope,
                                                        {"patterns": list(o.patterns)}))
-    hyper = {k: v for k, v in (("lr", o.lr), ("eps", o.eps), ("steps", o.steps),
+    hyper = {k: v for k, v in (("lr", o.lr), ("decay_rounds", o.decay_rounds),
+                               ("lr_final_ratio", o.lr_final_ratio), ("eps", o.eps),
+                               ("steps", o.steps),
                                ("perturbations", o.perturbations),
                                ("batch_size", o.batch_size), ("clip", o.clip),
                                ("one_sided", o.one_sided)) if v is not None}
@@ -192,6 +197,11 @@ def task_create(
     pattern: list[str] = PATTERNS,
     fmt: str = typer.Option(None, "--format", help="fp32, fp16, bf16, int8, int4, ternary"),
     lr: float = typer.Option(None, "--lr"), eps: float = typer.Option(None, "--eps"),
+    decay_rounds: int = typer.Option(None, "--decay-rounds", min=1,
+                                     help="cosine-decay the lr over rounds 1..N"),
+    lr_final_ratio: float = typer.Option(None, "--lr-final-ratio",
+                                         help="the lr at round N and after, as a fraction of "
+                                         "--lr (default 0.1)"),
     steps: int = typer.Option(None, "--steps", min=1),
     perturbations: int = typer.Option(None, "--perturbations", min=1),
     batch_size: int = typer.Option(None, "--batch-size", min=1),
@@ -213,7 +223,8 @@ def task_create(
         spec = build_spec(CreateOptions(
             recipe=recipe or (None if model or spec_file else "sst2"), model=model,
             spec_file=Path(spec_file) if spec_file else None, scope=scope,
-            patterns=tuple(pattern), fmt=fmt, lr=lr, eps=eps,
+            patterns=tuple(pattern), fmt=fmt, lr=lr, eps=eps, decay_rounds=decay_rounds,
+            lr_final_ratio=lr_final_ratio,
             steps=steps, perturbations=perturbations, batch_size=batch_size, clip=clip,
             one_sided=one_sided, aggregation=aggregation, clip_bound=clip_bound, trim=trim,
             max_num_examples=max_num_examples, label_texts=tuple(label)))

@@ -174,12 +174,15 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
         # makes LoRA diverge, and its scales name the recipe's tensors): other scopes
         # start from the conservative task defaults unless told otherwise
         scope, options, step_scales = config.scope, options_for(config.scope), ()
-        hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps)
+        hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps, decay_rounds=None)
     if config.scope_options:
         options = options_for(scope, {**options.to_dict(), **config.scope_options})
     given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
              "steps": config.steps, "perturbations": config.perturbations}
     hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
+    if hyper.decay_rounds is not None:
+        # the recipe's schedule spans the run, however many rounds it is given
+        hyper = replace(hyper, decay_rounds=config.rounds)
     return replace(base, label_texts=label_texts, num_labels=len(label_texts), scope=scope,
                    scope_options=options, hyper=hyper, format=config.format or base.format,
                    step_scales=step_scales)

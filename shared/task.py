@@ -17,9 +17,10 @@ from .scope_options import ScopeOptions, options_for
 
 #: Version of the TaskSpec JSON layout. 1: before `spec_version` existed (options an untyped
 #: object); 2: typed scope options (the same JSON object, validated per scope kind); 3: per-tensor
-#: step scales (`step_scales`, empty before). A spec of an older version is read and upgraded;
-#: a newer one is refused.
-SPEC_VERSION = 3
+#: step scales (`step_scales`, empty before); 4: an lr schedule (`Hyper.decay_rounds`,
+#: `Hyper.lr_final_ratio`; absent before, a constant lr). A spec of an older version is read and
+#: upgraded; a newer one is refused.
+SPEC_VERSION = 4
 
 #: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
 #: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.probes`).
@@ -60,6 +61,12 @@ class Hyper:
     probe_copies: int | None = None
     #: Extra activation memory (MB) a device may spend on stacked probes.
     probe_memory_mb: float = DEFAULT_PROBE_MEMORY_MB
+    #: Cosine-decay the planned lr over rounds 1..decay_rounds, from `lr` to
+    #: `lr * lr_final_ratio`, which every later round keeps (None: every round plans `lr`).
+    #: The coordinator writes each round's lr into its plan, so devices and replay read it
+    #: from there: a schedule changes no wire message and no replay rule.
+    decay_rounds: int | None = None
+    lr_final_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("lr", "eps"):
@@ -78,6 +85,24 @@ class Hyper:
         if not (math.isfinite(self.probe_memory_mb) and self.probe_memory_mb >= 0):
             raise ValueError(f"probe_memory_mb must be finite and >= 0, got "
                              f"{self.probe_memory_mb}")
+        if self.decay_rounds is not None and self.decay_rounds < 1:
+            raise ValueError(f"decay_rounds must be >= 1 or None, got {self.decay_rounds}")
+        if not (math.isfinite(self.lr_final_ratio) and 0 < self.lr_final_ratio <= 1):
+            raise ValueError(f"lr_final_ratio must be in (0, 1], got {self.lr_final_ratio}")
+
+    def lr_of_round(self, number: int) -> float:
+        """The lr the plan of round `number` (1-based) carries: `lr`, or on the cosine from
+        `lr` at round 1 to `lr * lr_final_ratio` at round `decay_rounds` and after. binary64,
+        computed only by the coordinator (the plan carries the result)."""
+        if number < 1:
+            raise ValueError(f"rounds are numbered from 1, got {number}")
+        if self.decay_rounds is None:
+            return self.lr
+        final = self.lr * self.lr_final_ratio
+        if number > self.decay_rounds:
+            return final
+        t = (number - 1) / max(1, self.decay_rounds - 1)  # 0 at round 1 (a one-round decay too)
+        return final + (self.lr - final) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
 @dataclass(frozen=True)
@@ -152,7 +177,8 @@ class TaskSpec:
         d["hyper"] = Hyper(**d.get("hyper", {}))
         d["aggregation"] = AggregationConfig(**d.get("aggregation", {}))
         d["label_texts"] = tuple(d.get("label_texts", ()))
-        # 2 -> 3: no step scales (every c_t = 1, the same bits as before).
+        # 2 -> 3: no step scales (every c_t = 1, the same bits as before). 3 -> 4: no lr
+        # schedule (Hyper's defaults: a constant lr, the same plans as before).
         d["step_scales"] = _step_scales(d.get("step_scales", ()))
         return cls(**d)
 

@@ -35,6 +35,19 @@ def test_body_scope_selects_the_recipe_with_its_fleet(tmp_path: Path) -> None:
     assert recipe_fleet(data, None, None, "head") == (30, None)
 
 
+def test_the_head_recipes_lr_schedule_spans_the_runs_rounds(tmp_path: Path) -> None:
+    data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=100))
+    head = SimulationConfig(out=tmp_path / "run", data=data, rounds=40)
+    lora = SimulationConfig(out=tmp_path / "run", data=data, rounds=40, scope="lora")
+
+    head_hyper = task_spec_for(head, recipes.SST2_LABEL_TEXTS).hyper
+    lora_hyper = task_spec_for(lora, recipes.SST2_LABEL_TEXTS).hyper
+
+    assert recipes.SST2_HYPER.decay_rounds == recipes.sst2_recipe().rounds
+    assert head_hyper.decay_rounds == 40 and head_hyper.lr == recipes.SST2_HYPER.lr
+    assert lora_hyper.decay_rounds is None  # another scope: the conservative constant lr
+
+
 def test_body_scope_on_a_task_without_a_body_recipe_is_refused(tmp_path: Path) -> None:
     config = SimulationConfig(out=tmp_path / "run", data="builtin", scope="body")
 

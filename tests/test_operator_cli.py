@@ -164,6 +164,17 @@ def test_another_scope_starts_from_the_conservative_lr_and_a_spec_file_is_a_base
     assert from_file.scope == "lora" and from_file.format == "fp16"
 
 
+def test_an_lr_schedule_from_the_command_line_and_none_on_another_scope(
+        tmp_path: Path) -> None:
+    scheduled = build_spec(CreateOptions(recipe="preference", model=str(tmp_path),
+                                         decay_rounds=50, lr_final_ratio=0.2))
+    lora = build_spec(CreateOptions(recipe="sst2", model=str(tmp_path), scope="lora"))
+
+    assert (scheduled.hyper.decay_rounds, scheduled.hyper.lr_final_ratio) == (50, 0.2)
+    assert scheduled.hyper.lr_of_round(50) == pytest.approx(0.2 * scheduled.hyper.lr)
+    assert lora.hyper.decay_rounds is None  # the sst2 recipe's schedule was the head's
+
+
 def test_invalid_options_are_refused_before_any_request(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="recipe must be one of"):
         CreateOptions(recipe="imagenet")

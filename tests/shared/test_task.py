@@ -3,6 +3,8 @@ scope can take, is refused when the spec is built, before any model loads."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from seedfed.shared.task import Hyper, TaskSpec
 
@@ -35,3 +37,58 @@ def test_probe_settings_round_trip_through_the_task_dict() -> None:
     assert TaskSpec.from_dict(spec.to_dict()) == spec
 
 
+
+
+# -- the lr schedule (spec version 4) ------------------------------------------------------------
+def test_a_hyper_without_a_schedule_plans_its_lr_every_round() -> None:
+    h = Hyper(lr=0.5)
+
+    assert [h.lr_of_round(n) for n in (1, 2, 1000)] == [0.5, 0.5, 0.5]
+
+
+def test_the_cosine_runs_from_lr_at_round_one_to_the_final_ratio_and_stays() -> None:
+    h = Hyper(lr=24.0, decay_rounds=300, lr_final_ratio=0.1)
+
+    lrs = [h.lr_of_round(n) for n in range(1, 400)]
+
+    assert lrs[0] == 24.0
+    assert lrs[299] == pytest.approx(2.4, rel=1e-12)
+    assert lrs[299:] == [lrs[299]] * 100  # every round after the schedule keeps the final lr
+    assert all(a > b for a, b in zip(lrs[:299], lrs[1:300], strict=True))  # strictly decaying
+    assert h.lr_of_round(150) == pytest.approx(2.4 + 21.6 * 0.5 * (1 + math.cos(math.pi * 149
+                                                                               / 299)))
+
+
+def test_a_one_round_schedule_plans_lr_then_the_final_lr() -> None:
+    h = Hyper(lr=2.0, decay_rounds=1, lr_final_ratio=0.5)
+
+    assert [h.lr_of_round(n) for n in (1, 2, 3)] == [2.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"decay_rounds": 0}, "decay_rounds"),
+    ({"decay_rounds": 10, "lr_final_ratio": 0.0}, "lr_final_ratio"),
+    ({"decay_rounds": 10, "lr_final_ratio": 1.5}, "lr_final_ratio"),
+    ({"decay_rounds": 10, "lr_final_ratio": float("nan")}, "lr_final_ratio"),
+])
+def test_hyper_refuses_a_schedule_it_cannot_run(kwargs, msg) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=msg):
+        Hyper(**kwargs)
+
+
+def test_rounds_are_numbered_from_one() -> None:
+    with pytest.raises(ValueError, match="from 1"):
+        Hyper(decay_rounds=5).lr_of_round(0)
+
+
+def test_a_version_3_spec_reads_as_a_constant_lr_and_a_schedule_round_trips() -> None:
+    old = {**TaskSpec(model_path="m").to_dict(), "spec_version": 3}
+    old["hyper"] = {k: v for k, v in old["hyper"].items()
+                    if k not in ("decay_rounds", "lr_final_ratio")}
+    scheduled = TaskSpec(model_path="m", hyper=Hyper(lr=3.0, decay_rounds=7,
+                                                     lr_final_ratio=0.25))
+
+    upgraded = TaskSpec.from_dict(old)
+
+    assert upgraded.hyper.decay_rounds is None and upgraded.spec_version == 4
+    assert TaskSpec.from_dict(scheduled.to_dict()) == scheduled
