@@ -36,23 +36,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from seedfed.client import recipes
 from seedfed.simulate import SimulationConfig, run
 
 METHODS: tuple[str, ...] = ("off", "residual", "ditto", "fedper")
 
 
 def task_configs(args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
+    # the taste task's recipe fleet (client/recipes.py: 20 devices, all every round)
     tasks: dict[str, dict[str, Any]] = {
-        "tastes": {"data": "tastes", "devices": 10, "rounds": args.rounds}}
+        "tastes": {"data": "tastes", "devices": args.taste_devices, "rounds": args.rounds}}
     if args.sst2:
         tasks["sst2-skew"] = {"data": args.sst2, "devices": 10, "rounds": args.rounds,
                               "label_skew": 0.9, "pool": args.pool}
     return tasks
 
 
-def one_run(task: dict[str, Any], method: str, out: Path) -> dict[str, Any]:
+def one_run(task: dict[str, Any], method: str, out: Path, seed: int = 0) -> dict[str, Any]:
     config = SimulationConfig(out=out, engine="inprocess", personal=method, eval_every=10,
-                              seed=0, **task)
+                              seed=seed, **task)
     started = time.perf_counter()
     report = run(config).to_dict()
     return {"method": method, "wall_s": time.perf_counter() - started,
@@ -79,8 +81,8 @@ _CHILD = textwrap.dedent("""
         raise KeyError(key)
 
     mode = sys.argv[1]
-    spec = recipes.preference_recipe().spec  # the tastes task's
-    data = DeviceData(source="tastes", partition_id=0, num_partitions=10)
+    spec = recipes.tastes_recipe().spec  # the tastes task's
+    data = DeviceData(source="tastes", partition_id=0, num_partitions=20)
     train, held = load_device_examples(data)
     device = Device(spec, "bench", personal=PersonalConfig() if mode == "personal" else None)
     device.evaluate(held)  # (the shared head as built: which values it holds costs nothing)
@@ -169,6 +171,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sst2", help="SST-2 train.tsv: adds the label-skewed SST-2 task")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--taste-devices", type=int, default=recipes.tastes_recipe("unused").devices,
+                    help="devices of the taste task (default: its recipe's)")
+    ap.add_argument("--seed", type=int, default=0, help="the taste generator's and split's seed "
+                    "(tune on seeds other than 0; report seed 0)")
     ap.add_argument("--pool", type=int, default=2000, help="SST-2 examples the fleet shares")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/personalization.json"))
@@ -190,11 +196,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods = [m for m in args.methods.split(",") if m]
     if "residual" not in methods:
         raise SystemExit("--methods must include residual (the table's reference)")
-    results = {"tasks": {}, "rounds": args.rounds}
+    results = {"tasks": {}, "rounds": args.rounds, "seed": args.seed}
     if args.out.is_file():  # keep what an earlier run measured for the tasks not run now
         earlier = json.loads(args.out.read_text())
-        if earlier.get("rounds") == args.rounds:
+        if (earlier.get("rounds"), earlier.get("seed", 0)) == (args.rounds, args.seed):
             results = earlier
+    results["seed"] = args.seed
     wanted = set(args.tasks.split(","))
     with tempfile.TemporaryDirectory(prefix="seedfed-personal-") as tmp:
         root = Path(tmp)
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["tasks"][task] = []
             for method in methods:
                 out = root / f"{task}-{method}"
-                results["tasks"][task].append(one_run(cfg, method, out))
+                results["tasks"][task].append(one_run(cfg, method, out, args.seed))
                 print(f"{task} {method}: {results['tasks'][task][-1]['personalization']}",
                       flush=True)
             if task == "tastes":

@@ -188,7 +188,8 @@ def coordinator(
 # --- simulate ---------------------------------------------------------------------------------
 @app.command("simulate")
 def simulate(
-    devices: int = typer.Option(10, "--devices", min=1, help="virtual devices in the fleet"),
+    devices: int = typer.Option(None, "--devices", min=1, help="virtual devices in the fleet "
+                                "(default: 20 for the taste task, else 10)"),
     rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: 30; with "
                                "--scope body or --format ternary that recipe's rounds and "
                                "devices per round)"),
@@ -238,8 +239,10 @@ def simulate(
     import time
     from pathlib import Path
 
-    from seedfed.simulate import SimulationConfig, recipe_fleet, run_with_progress
+    from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, run_with_progress
 
+    if devices is None:
+        devices = recipe_devices(data)
     if rounds is None:
         rounds, recipe_per_round = recipe_fleet(data, model, fmt, scope)
         if devices_per_round is None and recipe_per_round is not None:

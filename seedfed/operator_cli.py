@@ -35,7 +35,7 @@ from seedfed.shared.task import Hyper, TaskSpec
 
 ADMIN_TOKEN_ENV = "SEEDFED_ADMIN_TOKEN"
 URL_ENV = "SEEDFED_URL"
-RECIPES = ("sst2", "preference")
+RECIPES = ("sst2", "preference", "tastes")
 #: `--scope head`: the recipes' head-only scope (named, patterns ["classifier"]).
 HEAD = "head"
 
@@ -104,6 +104,8 @@ def _base_spec(o: CreateOptions) -> TaskSpec:
         if o.recipe == "sst2":
             return recipes.sst2_recipe(o.model, fmt=fmt if fmt in recipes.RECIPE_FORMATS
                                        else "fp32").spec
+        if o.recipe == "tastes":
+            return recipes.tastes_recipe(o.model).spec
         return recipes.preference_recipe(o.model).spec
     assert o.model is not None
     return TaskSpec(model_path=o.model)

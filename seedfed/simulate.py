@@ -202,7 +202,7 @@ def _recipe(data: str, model: str | None, fmt: str, scope: str = "head") -> Any:
     if fmt == "ternary":  # TerMeZO on a ternary (BitLinear) classifier
         return recipes.ternary_recipe(model, sst2=data not in PREFERENCE_SOURCES)
     if data in PREFERENCE_SOURCES:
-        base = recipes.preference_recipe(model)
+        base = (recipes.tastes_recipe if data == TASTES else recipes.preference_recipe)(model)
         return replace(base, spec=replace(base.spec, format=fmt))
     return recipes.sst2_recipe(model, fmt=fmt, scope="body" if scope == "body" else "head")
 
@@ -210,12 +210,22 @@ def _recipe(data: str, model: str | None, fmt: str, scope: str = "head") -> Any:
 def recipe_fleet(data: str, model: str | None, fmt: str | None, scope: str = "head",
                  ) -> tuple[int, int | None]:
     """(rounds, devices per round) when the command line names neither: the body recipe's
-    (`--scope body`) or a ternary task's recipe's; otherwise 30 rounds with every device (as
-    before recipes had fleets)."""
-    if fmt == "ternary" or scope == "body":
+    (`--scope body`), a ternary task's or the taste task's recipe's; otherwise 30 rounds with
+    every device (as before recipes had fleets)."""
+    if fmt == "ternary" or scope == "body" or data == TASTES:
         r = _recipe(data, model, fmt or "fp32", scope)
         return r.rounds, r.per_round
     return 30, None
+
+
+def recipe_devices(data: str) -> int:
+    """The fleet size when the command line gives none: the taste task's recipe's (its shared
+    model needs enough devices' opinions of each topic), otherwise 10."""
+    if data == TASTES:
+        from seedfed.client.recipes import tastes_recipe
+
+        return tastes_recipe("unused").devices
+    return 10
 
 
 class Evaluator:

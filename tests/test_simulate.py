@@ -138,6 +138,20 @@ def test_the_default_task_is_the_per_device_taste_task() -> None:
     assert (config.data, config.personal) == ("tastes", "residual")
 
 
+def test_the_taste_task_takes_its_recipe_and_fleet_the_single_taste_demo_its_own() -> None:
+    from seedfed.client import recipes
+    from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, task_spec_for
+
+    tastes = task_spec_for(SimulationConfig(out=Path("unused")), ("no", "yes"))
+    builtin = task_spec_for(SimulationConfig(out=Path("unused"), data="builtin"), ("no", "yes"))
+
+    assert tastes.hyper == recipes.TASTES_HYPER
+    assert tastes.step_scales == recipes.HEAD_STEP_SCALES
+    assert builtin.hyper == recipes.PREFERENCE_HYPER and builtin.step_scales == ()
+    assert recipe_fleet("tastes", None, None) == (30, 20)
+    assert (recipe_devices("tastes"), recipe_devices("builtin")) == (20, 10)
+
+
 def test_the_report_lists_every_device_shared_personal_and_local_accuracy(
         taste_runs: dict[str, dict]) -> None:
     report = taste_runs["residual"]

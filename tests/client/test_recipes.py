@@ -58,3 +58,13 @@ def test_sst2_head_recipe_scales_the_bias_step_only() -> None:
     # Assert
     scales = {t.name: t.step_scale for t in bundle.scope}
     assert scales == {"classifier.weight": 1.0, "classifier.bias": 0.1}
+
+
+def test_the_taste_recipe_scales_the_heads_bias_on_a_twenty_device_fleet() -> None:
+    from seedfed.client.recipes import HEAD_STEP_SCALES, tastes_recipe
+
+    recipe = tastes_recipe("/models/minilm")
+
+    assert recipe.spec.label_texts == PREFERENCE_LABEL_TEXTS
+    assert recipe.spec.step_scales == HEAD_STEP_SCALES
+    assert (recipe.devices, recipe.per_round) == (20, 20)
