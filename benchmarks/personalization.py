@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.client import recipes
+
 from seedfed.simulate import SimulationConfig, run
 
 METHODS: tuple[str, ...] = ("off", "residual", "ditto", "fedper")

@@ -140,6 +140,7 @@ def test_the_default_task_is_the_per_device_taste_task() -> None:
 
 def test_the_taste_task_takes_its_recipe_and_fleet_the_single_taste_demo_its_own() -> None:
     from seedfed.client import recipes
+
     from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, task_spec_for
 
     tastes = task_spec_for(SimulationConfig(out=Path("unused")), ("no", "yes"))
