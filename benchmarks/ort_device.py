@@ -2,7 +2,7 @@
 
     python benchmarks/ort_device.py --data PATH/TO/sst2/train.tsv [--rounds 6] [--devices 20]
 
-The SST-2 recipe (pretrained MiniLM, head scope, P = 64, one step of 16 examples) is exported
+The SST-2 recipe (`client.recipes.sst2_recipe`: pretrained MiniLM, head scope) is exported
 to an ORT bundle once; then each backend runs in its own fresh process (one thread: torch
 `set_num_threads(1)`, ONNX Runtime `intra_op_num_threads=1`) as device 0 of the recipe's fleet:
 load v0, run `--rounds` round plans of the recipe on its own examples, and report
@@ -232,7 +232,9 @@ def main() -> None:
                         - np.array(runs["ort"].pop("scalars"), dtype=np.float32)).max())
     bundle_mb = sum(f.stat().st_size for f in bundle.iterdir()) / 2**20
     result = {
-        "task": "SST-2 recipe: MiniLM-L6 head scope, P=64, 1 step x 16 examples, 1 thread",
+        "task": (f"SST-2 recipe: MiniLM-L6 head scope, P={spec.hyper.perturbations}, "
+                 f"{spec.hyper.steps} step x {spec.hyper.batch_size} examples, step scales "
+                 f"{list(spec.step_scales)}, 1 thread"),
         "rounds": args.rounds, "export_s": export_s, "bundle_mb": round(bundle_mb, 1),
         "max_abs_scalar_diff": diff, "torch": runs["torch"], "ort": runs["ort"],
         "speedup_ms_per_scalar": round(runs["torch"]["ms_per_scalar"]

@@ -128,9 +128,9 @@ class PackedTernary:
     def load_snapshot(self, data: bytes, version: int, checksum: str) -> SyncResult:
         """Load a published ternary snapshot of `version` (bytes), verified against
         `checksum`; on a refusal the model stays as it was."""
-        self.scope = load_published_ternary(self.model, read_snapshot(data), config=self.config,
-                                            epoch=self.config.epoch_of(version),
-                                            expected_checksum=checksum)
+        self.scope = self._adopt(load_published_ternary(
+            self.model, read_snapshot(data), config=self.config,
+            epoch=self.config.epoch_of(version), expected_checksum=checksum))
         self.version, self.checksum = version, checksum
         self.snapshot, self.snapshot_version, self.snapshot_checksum = data, version, checksum
         return SyncResult(version, checksum, "snapshot")
@@ -150,11 +150,21 @@ class PackedTernary:
             self.model, self.scope if self.version is not None else None, task_id=task_id,
             version=self.version, target=target, config=self.config, entries=entries,
             snapshot=snapshot)
-        self.scope, self.version, self.checksum = scope, result.version, result.checksum
+        self.scope = scope if scope is self.scope else self._adopt(scope)
+        self.version, self.checksum = result.version, result.checksum
         if result.method == "snapshot":
             self.snapshot, self.snapshot_checksum = fetched[-1]
             self.snapshot_version = target
         return result
+
+    def _adopt(self, scope: TernaryScope) -> TernaryScope:
+        """A scope rebuilt from a snapshot, with the task's step scales (`TaskSpec.step_scales`):
+        the coordinator's scope carries them, so without them this device's probes and replay
+        would move its tensors by c = 1 where the coordinator moves them by c_t, and every
+        replay would end on another checksum."""
+        if self.spec.step_scales:
+            scope.set_step_scales(self.spec.step_scales)
+        return scope
 
     def restore(self, *, snapshot: bytes, snapshot_version: int, snapshot_checksum: str,
                 state: bytes | None, version: int, checksum: str) -> None:

@@ -92,6 +92,22 @@ def hash_values(h: Any, name: str, values: np.ndarray) -> None:
     h.update(flat.tobytes())
 
 
+#: `TaskSpec.step_scales`: (substring, c) pairs, the first a tensor's name contains wins.
+StepScales = Sequence[tuple[str, float]]
+
+
+def step_scale_of(name: str, pairs: StepScales) -> float:
+    """c_t of tensor `name`: the scale of the first pattern it contains, else 1.0."""
+    return next((c for pattern, c in pairs if pattern in name), 1.0)
+
+
+def scaled_multiple(s: float, c: float) -> float:
+    """The multiple of z a tensor with step scale `c` sees for a plan-level probe scale or
+    coefficient `s`: s itself at c = 1 (unscaled tasks keep their bits), else fl32(s * c),
+    the product in binary64 rounded once (docs/protocol.md section 2)."""
+    return s if c == 1.0 else float(np.float32(float(s) * c))
+
+
 def np_checksum(state: Mapping[str, np.ndarray]) -> str:
     """SHA-256 of a numpy state, tensors in canonical (sorted by code point) order: the bits of
     `replay.checksum` of a scope holding the same values."""
@@ -102,12 +118,15 @@ def np_checksum(state: Mapping[str, np.ndarray]) -> str:
 
 
 def np_apply_seeds(state: Mapping[str, np.ndarray], seeds: Sequence[int],
-                   coefs: Sequence[float]) -> None:
-    """theta += sum in plan order of coef * z(seed) over every tensor of the state, in place:
-    the bits of `replay.apply_seeds` on a scope of whole fp32 tensors."""
-    scales = [float(np.float32(c)) for c in coefs]
+                   coefs: Sequence[float], step_scales: StepScales = ()) -> None:
+    """theta += sum in plan order of coef * c_t * z(seed) over every tensor of the state, in
+    place: the bits of `replay.apply_seeds` on a scope of whole fp32 tensors (c_t from the
+    task's `step_scales`, 1 when none names the tensor)."""
     for name in sorted(state):
         flat = state[name]
+        c = step_scale_of(name, step_scales)
+        # `ScopedTensor.scaled_coefs`: the entry's coefficient times c_t, rounded once
+        scales = [float(np.float32(k)) if c == 1.0 else scaled_multiple(k, c) for k in coefs]
         add_dense(flat, name, seeds, scales, out=flat)
 
 
@@ -129,7 +148,7 @@ def check_entries(entries: Sequence[LogEntry], *, task_id: str, version: int) ->
 
 
 def np_replay(state: NpState, entries: Iterable[LogEntry], *, task_id: str,
-              version: int) -> tuple[int, str]:
+              version: int, step_scales: StepScales = ()) -> tuple[int, str]:
     """Apply entries to a numpy state standing at `version`, verifying every checksum the log
     carries; all-or-nothing (a mismatch puts the state back and raises
     ChecksumMismatchError). Returns (new version, checksum)."""
@@ -138,7 +157,7 @@ def np_replay(state: NpState, entries: Iterable[LogEntry], *, task_id: str,
     saved = {k: v.copy() for k, v in state.items()}
     got = ""
     for e in entries:
-        np_apply_seeds(state, e.seeds, e.coefs)
+        np_apply_seeds(state, e.seeds, e.coefs, step_scales)
         got = np_checksum(state)
         if e.checksum is not None and got != e.checksum:
             for k, v in saved.items():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .errors import MissingTensorError, ScopeError, UnknownScopeError
+from .npzo import scaled_multiple, step_scale_of
 from .scope_options import NamedOptions, NoOptions, ScopeOptions, options_class, options_for
 from .scope_options import register_options as _register_options
 
@@ -64,7 +65,7 @@ class ScopedTensor:
         """The multiple of z this tensor sees for a plan-level probe scale or coefficient `s`:
         s itself at c_t = 1 (so unscaled tasks keep their bits), else fl32(s * c_t), the
         product in float64 rounded once."""
-        return s if self.step_scale == 1.0 else float(np.float32(float(s) * self.step_scale))
+        return scaled_multiple(s, self.step_scale)
 
     def scaled_coefs(self, coefs: Sequence[float]) -> Sequence[float]:
         """`scaled` of each coefficient of an entry (the list itself at c_t = 1)."""
@@ -199,11 +200,6 @@ class Scope:
                 if p is not None and id(p) in wanted:
                     found.setdefault(id(p), []).append((module, attr))
         return found
-
-
-def step_scale_of(name: str, pairs: Sequence[tuple[str, float]]) -> float:
-    """c_t of tensor `name`: the scale of the first pattern it contains, else 1.0."""
-    return next((c for pattern, c in pairs if pattern in name), 1.0)
 
 
 ScopeBuilder = Callable[..., Scope]

@@ -8,7 +8,8 @@ rules so the coordinator cannot tell the two apart:
   every sync ends on the coordinator's checksum or raises and trusts nothing;
 - train: the batches `client.data.batch_indices` draws from the same generator
   ([data seed, partition, round]), every probe of a step on the step's batch, probes
-  theta + scale z(seed) built from the shared stream (`shared.philox`), C probes per
+  theta + scale c_t z(seed) built from the shared stream (`shared.philox`; c_t the task's
+  per-tensor step scale, `TaskSpec.step_scales`, 1 unless it names the tensor), C probes per
   `top.onnx` run, the scalar rule and the local update of `shared.npzo`; the state is back at
   the plan's version afterwards;
 - evaluate: accuracy and mean loss on a local held-out set.
@@ -89,8 +90,11 @@ class OrtDevice:
 
     def __init__(self, spec: TaskSpec, task_id: str, model: OrtModel) -> None:
         model.manifest.check_spec(spec)
-        if spec.step_scales:
-            raise BundleError("the ORT backend does not apply per-tensor step scales yet")
+        names = [t.name for t in model.manifest.tensors]
+        for pattern, _ in spec.step_scales:  # as `Scope.set_step_scales` refuses a typo
+            if not any(pattern in n for n in names):
+                raise BundleError(f"step scale pattern {pattern!r} matches no tensor of the "
+                                  f"bundle ({', '.join(names)})")
         self.spec, self.task_id, self.model = spec, task_id, model
         self.state: npzo.NpState | None = None
         self.version: int | None = None
@@ -127,7 +131,8 @@ class OrtDevice:
             if [e.base_version for e in needed] == list(range(self.version, target)):
                 try:
                     version, chk = npzo.np_replay(self.state, needed, task_id=self.task_id,
-                                                  version=self.version)
+                                                  version=self.version,
+                                                  step_scales=self.spec.step_scales)
                 except (ChecksumMismatchError, LogEntryMismatchError):
                     pass  # the state is back where it was; the snapshot below settles it
                 else:
@@ -159,7 +164,11 @@ class OrtDevice:
         if probe is None:
             return theta
         seed, scale = probe
-        return {k: add_dense(v, k, [seed], [float(np.float32(scale))]) for k, v in theta.items()}
+        pairs = self.spec.step_scales
+        return {k: add_dense(v, k, [seed],
+                             [float(np.float32(npzo.scaled_multiple(
+                                 scale, npzo.step_scale_of(k, pairs))))])
+                for k, v in theta.items()}
 
     def probe_losses(self, theta: npzo.NpState, texts: Sequence[str], labels: np.ndarray,
                      probes: Sequence[npzo.Probe]) -> tuple[list[float], int]:
@@ -196,7 +205,7 @@ class OrtDevice:
             g[step] = npzo.step_scalars(values, len(seeds), plan.eps, plan.one_sided,
                                         plan.clip)
             coefs = npzo.update_coefficients(g[step], plan.lr, plan.perturbations)
-            npzo.np_apply_seeds(theta, seeds, coefs.tolist())
+            npzo.np_apply_seeds(theta, seeds, coefs.tolist(), self.spec.step_scales)
             losses.append(float(np.mean(values)))
         # Same weight rule as the torch device: the local training set's size (FedAvg's n_k).
         return OrtTrained(g, len(examples), float(np.mean(losses)), runs)

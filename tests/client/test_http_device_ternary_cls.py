@@ -8,6 +8,7 @@ snapshot, replay inside an epoch and end every round on the coordinator's checks
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,15 +27,18 @@ from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 EPOCH_ROUNDS = 2
+#: c_t of the head's bias and weight, and of layer 0's masked latents
+STEP_SCALES = (("classifier.bias", 0.5), ("classifier", 4.0), ("layer.0.", 0.25))
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[dict]:
+@pytest.fixture(params=[(), STEP_SCALES], ids=["unscaled", "step_scales"])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict]:
     model = make_tiny_sentence_bert(tmp_path / "model")
     data = write_sentiment_tsv(tmp_path / "data.tsv", n=300)
     coord = Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
                                       store_dir=tmp_path / "store"))
-    spec = ternary_cls_spec(model, EPOCH_ROUNDS, train_head=True)
+    spec = replace(ternary_cls_spec(model, EPOCH_ROUNDS, train_head=True),
+                   step_scales=request.param)
     task_id, join = coord.create_task_with_token(spec, quorum=50)
     with TestClient(create_app(runtime=coord.rt)) as client:
 
@@ -45,7 +49,7 @@ def world(tmp_path: Path) -> Iterator[dict]:
                                                num_partitions=2, alpha=1.0))
             return HttpDevice(cfg, client=client)
 
-        yield {"coord": coord, "task": task_id, "device": device}
+        yield {"coord": coord, "task": task_id, "device": device, "scales": request.param}
     coord.close()
 
 
@@ -81,3 +85,5 @@ def test_two_devices_train_the_masked_latents_and_the_head_across_epoch_starts(
         assert all(m.weight is None and m.packed is not None
                    for _, m in bitlinear_modules(t.model)), "the encoder stays packed"
         assert not torch.equal(t.model.classifier.weight, head_v0), "the head trained"
+        want = {n: next((c for p, c in world["scales"] if p in n), 1.0) for n in t.scope.names}
+        assert {x.name: x.step_scale for x in t.scope} == want

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,16 @@ def _plan(version: int = 0, one_sided: bool = False, clip: float | None = None) 
                      eps=1e-2, batch_size=8, scope="named", one_sided=one_sided, clip=clip)
 
 
-@pytest.fixture
-def pair(ort_assets: dict[str, Path]) -> dict:
-    """A torch device and an ORT device of one task, both at the coordinator's v0."""
-    spec = head_spec(ort_assets["model"])
+#: the SST-2 recipe's kind of step scales: the bias at 0.1, and the weights at 2 (c != 1 on
+#: every tensor, so a rule applied to the wrong tensor shows)
+STEP_SCALES = (("classifier.bias", 0.1), ("classifier.weight", 2.0))
+
+
+@pytest.fixture(params=[(), STEP_SCALES], ids=["unscaled", "step_scales"])
+def pair(request: pytest.FixtureRequest, ort_assets: dict[str, Path]) -> dict:
+    """A torch device and an ORT device of one task, both at the coordinator's v0; the task
+    with and without per-tensor step scales."""
+    spec = replace(head_spec(ort_assets["model"]), step_scales=request.param)
     v0 = build_model(spec, initialize=True)
     snap, chk = state_bytes(v0.scope), checksum(v0.scope)
     torch_dev = Device(spec, "t")
@@ -65,7 +72,8 @@ def test_the_ort_device_uploads_the_torch_devices_scalars(pair: dict, one_sided:
 def test_probes_batched_per_run_give_the_scalars_of_one_probe_per_run(pair: dict) -> None:
     ort_dev: OrtDevice = pair["ort"]
     batched = ort_dev.train(_plan(), pair["train"], pair["data"])
-    ort_dev.spec = head_spec(Path(pair["spec"].model_path), probe_copies=1)
+    ort_dev.spec = replace(head_spec(Path(pair["spec"].model_path), probe_copies=1),
+                           step_scales=pair["spec"].step_scales)
 
     single = ort_dev.train(_plan(), pair["train"], pair["data"])
 
@@ -133,3 +141,11 @@ def test_a_bundle_exported_for_another_task_is_refused(ort_assets: dict[str, Pat
 
     with pytest.raises(BundleError, match="max_seq_len"):
         OrtDevice(other, "t", OrtModel(ort_assets["bundle"], threads=1))
+
+
+def test_a_step_scale_that_names_no_tensor_of_the_bundle_is_refused(
+        ort_assets: dict[str, Path]) -> None:
+    spec = replace(head_spec(ort_assets["model"]), step_scales=(("classifier.bais", 0.1),))
+
+    with pytest.raises(BundleError, match="classifier.bais"):
+        OrtDevice(spec, "t", OrtModel(ort_assets["bundle"], threads=1))
