@@ -73,11 +73,16 @@ class PersonalConfig:
     method: str = "residual"
     steps: int = 16  # ZO steps per round the device trains in
     perturbations: int = 16
-    lr: float = 2.0
+    lr: float = 4.0
     eps: float = 1e-2
     batch_size: int = 32
     decay: float = 1e-3  # L2 pull: residual towards 0, ditto towards the shared head
     reference: bool = True  # also train the local-only reference head
+    #: c of the bias entries (theta = c phi, SPSA on phi: the bias's probes are eps c z and its
+    #: steps c^2 lr), as the recipes' `HEAD_STEP_SCALES` do for the shared head: the bias's
+    #: constant feature gives it the largest curvature, which otherwise caps the lr that the
+    #: weights' directions can take (docs/accuracy.md, "Fifth session")
+    bias_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -85,7 +90,7 @@ class PersonalConfig:
         for name in ("steps", "perturbations", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "eps"):
+        for name in ("lr", "eps", "bias_scale"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.decay) and self.decay >= 0):
@@ -336,6 +341,9 @@ class PersonalPart:
               base: torch.Tensor | None, centre: torch.Tensor | None) -> float:
         """One SPSA step: all 2P probes in one batched product, theta -= lr * mean(g z)."""
         cfg = self.config
+        if cfg.bias_scale != 1.0:  # the bias's directions scaled by c (theta = c phi)
+            z = z.clone()
+            z[:, -self.prototype.labels:] *= cfg.bias_scale
         probes = torch.cat([head.theta + cfg.eps * z, head.theta - cfg.eps * z])  # (2P, D)
         losses = self._loss(probes, feats, labels, base, centre)
         g = (losses[: cfg.perturbations] - losses[cfg.perturbations:]) / (2 * cfg.eps)

@@ -191,4 +191,37 @@ def test_config_refuses_unknown_methods_and_bad_numbers() -> None:
         PersonalConfig(lr=0.0)
     with pytest.raises(ValueError, match="decay"):
         PersonalConfig(decay=-1.0)
+    with pytest.raises(ValueError, match="bias_scale"):
+        PersonalConfig(bias_scale=0.0)
     assert not PersonalConfig(method="off").enabled
+
+
+def test_a_bias_scale_probes_and_steps_the_bias_in_phi_units(
+        assets: tuple[Path, Path, Path]) -> None:
+    """theta = c phi on the bias: its probes are eps c z and its step c x the phi step; the
+    weights' entries are as at c = 1 (the same SPSA on the scaled directions)."""
+    # Arrange
+    import torch
+
+    model, _, data = assets
+    bundle = _bundle(model)
+    train, _ = _flipped(data)
+    parts = list(features(bundle, train.subset(range(16))))
+    feats, labels = torch.cat([f for f, _ in parts]), torch.cat([y for _, y in parts])
+    c = 0.1
+    part = PersonalPart(PersonalConfig(bias_scale=c, lr=2.0, eps=1e-2, perturbations=4),
+                        bundle, "task-a")
+    head = part._start(part.prototype)
+    z = torch.from_numpy(np.random.default_rng(0).integers(0, 2, size=(4, head.theta.numel()))
+                         .astype(np.float32) * 2 - 1)
+    scaled = z.clone()
+    scaled[:, -2:] *= c
+    theta0 = head.theta.clone()
+    losses = part._loss(torch.cat([theta0 + 1e-2 * scaled, theta0 - 1e-2 * scaled]), feats,
+                        labels, None, None)
+    g = (losses[:4] - losses[4:]) / (2 * 1e-2)
+    # Act
+    part._step(head, feats, labels, z, None, None)
+    # Assert
+    torch.testing.assert_close(head.theta, theta0 - 2.0 * (g[:, None] * scaled).mean(dim=0))
+    assert torch.equal(z[:, -2:].abs(), torch.ones(4, 2))  # the caller's z is left alone
