@@ -685,6 +685,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fo-batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="zo: run seeds first-seed .. first-seed + seeds - 1 (split runs apart)")
     ap.add_argument("--head-init", default=None, help="a .pt flat head to start from")
     ap.add_argument("--save-head", type=Path, default=None, help="save the final flat head")
     ap.add_argument("--test", action="store_true", help="score test (only to confirm a choice)")
@@ -725,7 +727,7 @@ def main() -> None:
                                 args.eval_every, args.blocks, beta, args.window, args.c_bias,
                                 args.lr_final)
                     res = [zo_run(cache, run, s, split, head, args.save_head)
-                           for s in range(args.seeds)]
+                           for s in range(args.first_seed, args.first_seed + args.seeds)]
                     accs = [r["final"] for r in res]
                     rows.append({"run": run.__dict__, "finals": accs,
                                  "curves": [r["curve"] for r in res],
