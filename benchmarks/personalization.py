@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sst2", help="SST-2 train.tsv: adds the label-skewed SST-2 task")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--taste-devices", type=int, default=recipes.tastes_recipe("unused").devices,
+    ap.add_argument("--taste-devices", type=int, default=recipes.TASTES_DEVICES,
                     help="devices of the taste task (default: its recipe's)")
     ap.add_argument("--seed", type=int, default=0, help="the taste generator's and split's seed "
                     "(tune on seeds other than 0; report seed 0)")

@@ -132,6 +132,7 @@ def preference_recipe(model_path: str | None = None) -> Recipe:
 #: for the shared model to learn the population's taste (the personalized devices' gain over
 #: local-only training comes from exactly that knowledge of their unseen topics).
 TASTES_HYPER = Hyper(lr=8.0, eps=1e-3, steps=4, perturbations=16, batch_size=16)
+TASTES_DEVICES = 20
 
 
 def tastes_recipe(model_path: str | None = None) -> Recipe:
@@ -142,7 +143,7 @@ def tastes_recipe(model_path: str | None = None) -> Recipe:
                     num_labels=2, label_texts=PREFERENCE_LABEL_TEXTS, scope=HEAD_SCOPE,
                     scope_options=NamedOptions(**HEAD_OPTIONS), hyper=TASTES_HYPER,
                     step_scales=HEAD_STEP_SCALES, max_seq_len=32)
-    return Recipe(spec=spec, rounds=30, per_round=20, devices=20)
+    return Recipe(spec=spec, rounds=30, per_round=TASTES_DEVICES, devices=TASTES_DEVICES)
 
 
 #: TerMeZO on a ternary classifier: the threshold mask over 1% of every BitLinear's latents,

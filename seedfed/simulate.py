@@ -222,9 +222,9 @@ def recipe_devices(data: str) -> int:
     """The fleet size when the command line gives none: the taste task's recipe's (its shared
     model needs enough devices' opinions of each topic), otherwise 10."""
     if data == TASTES:
-        from seedfed.client.recipes import tastes_recipe
+        from seedfed.client.recipes import TASTES_DEVICES
 
-        return tastes_recipe("unused").devices
+        return TASTES_DEVICES
     return 10
 
 

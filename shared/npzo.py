@@ -101,6 +101,13 @@ def step_scale_of(name: str, pairs: StepScales) -> float:
     return next((c for pattern, c in pairs if pattern in name), 1.0)
 
 
+def unmatched_step_scales(pairs: StepScales, names: Iterable[str]) -> list[str]:
+    """The patterns of `pairs` that no tensor name contains (a typo would otherwise train that
+    tensor at c = 1 without a word): every side refuses a task for which this is not empty."""
+    names = list(names)
+    return [pattern for pattern, _ in pairs if not any(pattern in n for n in names)]
+
+
 def scaled_multiple(s: float, c: float) -> float:
     """The multiple of z a tensor with step scale `c` sees for a plan-level probe scale or
     coefficient `s`: s itself at c = 1 (unscaled tasks keep their bits), else fl32(s * c),
@@ -126,7 +133,7 @@ def np_apply_seeds(state: Mapping[str, np.ndarray], seeds: Sequence[int],
         flat = state[name]
         c = step_scale_of(name, step_scales)
         # `ScopedTensor.scaled_coefs`: the entry's coefficient times c_t, rounded once
-        scales = [float(np.float32(k)) if c == 1.0 else scaled_multiple(k, c) for k in coefs]
+        scales = [float(np.float32(scaled_multiple(k, c))) for k in coefs]
         add_dense(flat, name, seeds, scales, out=flat)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .errors import MissingTensorError, ScopeError, UnknownScopeError
-from .npzo import scaled_multiple, step_scale_of
+from .npzo import scaled_multiple, step_scale_of, unmatched_step_scales
 from .scope_options import NamedOptions, NoOptions, ScopeOptions, options_class, options_for
 from .scope_options import register_options as _register_options
 
@@ -120,11 +120,11 @@ class Scope:
         when none does): `TaskSpec.step_scales`. A pair that names no tensor of the scope is
         refused, so a typo cannot silently train at the wrong scale."""
         pairs = tuple((str(pattern), float(c)) for pattern, c in pairs)
-        for pattern, _ in pairs:
-            if not any(pattern in t.name for t in self._tensors):
-                raise ScopeError(f"step scale pattern {pattern!r} matches no tensor of scope "
-                                 f"{self.kind!r} (tensors: {', '.join(self.names[:6])}"
-                                 f"{', ...' if len(self) > 6 else ''})")
+        bad = unmatched_step_scales(pairs, self.names)
+        if bad:
+            raise ScopeError(f"step scale pattern {bad[0]!r} matches no tensor of scope "
+                             f"{self.kind!r} (tensors: {', '.join(self.names[:6])}"
+                             f"{', ...' if len(self) > 6 else ''})")
         self._step_scales = pairs
         self._tensors = [replace(t, step_scale=step_scale_of(t.name, pairs))
                          for t in self._tensors]

@@ -91,10 +91,10 @@ class OrtDevice:
     def __init__(self, spec: TaskSpec, task_id: str, model: OrtModel) -> None:
         model.manifest.check_spec(spec)
         names = [t.name for t in model.manifest.tensors]
-        for pattern, _ in spec.step_scales:  # as `Scope.set_step_scales` refuses a typo
-            if not any(pattern in n for n in names):
-                raise BundleError(f"step scale pattern {pattern!r} matches no tensor of the "
-                                  f"bundle ({', '.join(names)})")
+        bad = npzo.unmatched_step_scales(spec.step_scales, names)
+        if bad:
+            raise BundleError(f"step scale pattern {bad[0]!r} matches no tensor of the "
+                              f"bundle ({', '.join(names)})")
         self.spec, self.task_id, self.model = spec, task_id, model
         self.state: npzo.NpState | None = None
         self.version: int | None = None
