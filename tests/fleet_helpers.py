@@ -148,6 +148,28 @@ def _char_tokenizer() -> object:
                                    bos_token="<s>", eos_token="</s>")
 
 
+class _FixedRate:
+    """A `client.catchup.RateMeter` that keeps its rate whatever it observes."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def observe(self, units: float, seconds: float) -> None:
+        pass
+
+
+def replay_when_allowed(device: Any) -> Any:
+    """Pin an HTTP device's measured rates so that its catch-up replays whenever the
+    coordinator allows it (a download only where forced, e.g. across a mask epoch start).
+
+    A device chooses replay or download by timing itself (`client.catchup`); on a tiny test
+    model both cost microseconds, so the measured choice flips with machine load. Tests of
+    the cost rule itself live in tests/client/test_catchup.py and leave the meters alone."""
+    device.meters.replay = _FixedRate(1e15)  # element-seeds per second
+    device.meters.load = _FixedRate(1.0)  # snapshot bytes per second
+    return device
+
+
 class FakeGrid:
     """The one call the seedfed strategy makes of a Flower Grid (in-process tests)."""
 

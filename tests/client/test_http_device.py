@@ -15,6 +15,8 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
 from seedfed.shared.task import Hyper, TaskSpec
 
+from tests.fleet_helpers import replay_when_allowed
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -37,7 +39,7 @@ def world(fleet_assets: tuple[Path, Path], tmp_path: Path) -> Iterator[dict]:
                                data=DeviceData(source=str(data), partition_id=i,
                                                num_partitions=2, alpha=1.0),
                                personal=personal)
-            return HttpDevice(cfg, client=client)
+            return replay_when_allowed(HttpDevice(cfg, client=client))
 
         yield {"coord": coord, "task": task_id, "device": device}
     coord.close()

@@ -22,7 +22,7 @@ from seedfed.server.settings import Settings
 from seedfed.shared.replay import checksum
 from seedfed.shared.ternary import bitlinear_modules
 
-from tests.fleet_helpers import ternary_spec
+from tests.fleet_helpers import replay_when_allowed, ternary_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,7 +44,7 @@ def world(tiny_llama: Path, fleet_assets: tuple[Path, Path], tmp_path: Path) -> 
                                state_dir=tmp_path / f"dev{i}", model=str(tiny_llama),
                                data=DeviceData(source=str(data), partition_id=i,
                                                num_partitions=2, alpha=1.0))
-            return HttpDevice(cfg, client=client)
+            return replay_when_allowed(HttpDevice(cfg, client=client))
 
         yield {"coord": coord, "task": task_id, "device": device, "requests": requests}
     coord.close()

@@ -22,7 +22,12 @@ from seedfed.server.settings import Settings
 from seedfed.shared.replay import checksum
 from seedfed.shared.ternary import bitlinear_modules
 
-from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write_sentiment_tsv
+from tests.fleet_helpers import (
+    make_tiny_sentence_bert,
+    replay_when_allowed,
+    ternary_cls_spec,
+    write_sentiment_tsv,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,7 +52,7 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict]:
                                state_dir=tmp_path / f"dev{i}", model=str(model),
                                data=DeviceData(source=str(data), partition_id=i,
                                                num_partitions=2, alpha=1.0))
-            return HttpDevice(cfg, client=client)
+            return replay_when_allowed(HttpDevice(cfg, client=client))
 
         yield {"coord": coord, "task": task_id, "device": device, "scales": request.param}
     coord.close()

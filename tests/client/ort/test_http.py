@@ -13,6 +13,8 @@ from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
 
+from tests.fleet_helpers import replay_when_allowed
+
 from .conftest import head_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,9 +33,9 @@ def test_an_ort_device_trains_beside_a_torch_device_and_ends_on_the_coordinators
         ort_dev = OrtHttpDevice(OrtDeviceConfig(
             url="http://testserver", task_id=task, join_token=join, state_dir=tmp_path / "o",
             bundle=ort_assets["bundle"], data=data(0), threads=1), client=client)
-        torch_dev = HttpDevice(DeviceConfig(
+        torch_dev = replay_when_allowed(HttpDevice(DeviceConfig(
             url="http://testserver", task_id=task, join_token=join, state_dir=tmp_path / "t",
-            model=str(ort_assets["model"]), data=data(1)), client=client)
+            model=str(ort_assets["model"]), data=data(1)), client=client))
         ort_dev.enroll()
         torch_dev.enroll()
         outcomes = []
