@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from seedfed.shared.tokens import BATCH_KEYS, memo_for
 
 if TYPE_CHECKING:  # torch loads only where a batch becomes tensors (`tokenize`): a device on
     import torch  # an inference engine (seedfed.client.ort) reads, splits and samples without it
@@ -193,13 +194,22 @@ def dirichlet_partition(labels: np.ndarray, n_devices: int, alpha: float,
 
 def tokenize(tokenizer: Any, texts: Sequence[str], labels: np.ndarray | None,
              max_len: int) -> dict[str, torch.Tensor]:
-    """One padded batch (padding to the longest text, truncated at max_len)."""
+    """One padded batch (padding to the longest text, truncated at max_len): the tensors
+    `tokenizer(texts, padding=True, truncation=True, max_length=max_len)` returns.
+
+    A device tokenizes the same few thousand sentences every round (its batches, its
+    personal part's, its held-out set), ~3 ms a batch: each text is tokenized once per
+    tokenizer and max_len (`shared.tokens.TokenMemo`) and the batch padded from those, as the
+    tokenizer pads (a tokenizer the memo cannot reproduce takes its own path)."""
     import torch
 
-    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_len,
-                    return_tensors="pt")
-    batch = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask",
-                                                   "token_type_ids")}
+    memo = memo_for(tokenizer, max_len) if len(texts) else None
+    if memo is None:
+        enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_len,
+                        return_tensors="pt")
+        batch = {k: v for k, v in enc.items() if k in BATCH_KEYS}
+    else:
+        batch = memo.batch(texts)
     if labels is not None:
         batch["labels"] = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     return batch

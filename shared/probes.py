@@ -61,7 +61,7 @@ from .estimator import StepResult, ZOConfig
 from .perturb import Perturber, perturbed_copy
 from .replay import apply_seeds, update_coefficients
 from .scopes import Scope, ScopedTensor
-from .stream import perturbed_pair
+from .stream import perturbed_pair, perturbed_pairs
 from .task import DEFAULT_PROBE_MEMORY_MB
 
 log = logging.getLogger(__name__)
@@ -504,6 +504,9 @@ class ProbeEngine:
             if got != n * rows:
                 raise UnbatchableError(f"{type(module).__name__} got {got} rows, expected "
                                        f"{n} copies x {rows}")
+            if (not self._active and isinstance(module, nn.Linear)
+                    and _fusable(module, entries, n, args, kwargs)):
+                return _fused_linear(module, entries, group, args[0], pending)
             outs = []
             for probe, (a, k) in zip(group, zip(_split(args, rows, n), _split(kwargs, rows, n),
                                                 strict=True), strict=True):
@@ -524,6 +527,49 @@ class ProbeEngine:
 
 Pending = dict[tuple[int, int, float], torch.Tensor]
 
+#: The most bytes of stacked perturbed weights `_fused_linear` makes for one group of copies
+#: (above it, each copy's weights are made and dropped in turn, as for any other module).
+FUSED_WEIGHT_BYTES = 64 * 2**20
+
+
+def _fusable(module: nn.Module, entries: list[tuple[nn.Module, str, ScopedTensor]], n: int,
+             args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """A plain nn.Linear (a classifier head, an adapter's matrix) whose scoped tensors are
+    whole, called on one tensor, with all n copies' weights within FUSED_WEIGHT_BYTES."""
+    if type(module) is not nn.Linear or kwargs or len(args) != 1:
+        return False
+    if not all(m is module and t.indices is None for m, _, t in entries):
+        return False
+    return n * 4 * sum(p.numel() for p in module.parameters(recurse=False)) <= FUSED_WEIGHT_BYTES
+
+
+def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedTensor]],
+                  group: list[Probe], x: torch.Tensor, pending: Pending,
+                  ) -> torch.Tensor:
+    """Every copy's `F.linear(x_i, W_i, b_i)` in one batched matmul, W_i and b_i the copy's
+    perturbed tensors (the bits `_swapped` shows; the product rounds as a batched matmul
+    does, which the module's docstring allows). A head's 2P copies were 2P tiny matmuls and
+    as many swaps: most of a head step."""
+    owned = {attr: t for _, attr, t in entries}
+
+    def stacked(attr: str) -> torch.Tensor | None:
+        p = getattr(module, attr)
+        if p is None:
+            return None
+        t = owned.get(attr)
+        if t is None:  # not scoped: the same tensor in every copy
+            return p.detach().expand(len(group), *p.shape)
+        return _stacked_copies(t, group, pending)
+
+    weight, bias = stacked("weight"), stacked("bias")
+    assert weight is not None
+    x3 = x.reshape(len(group), -1, x.shape[-1])  # (copy, rows x any middle dims, in)
+    if bias is None:
+        out = torch.bmm(x3, weight.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
+    return out.reshape(*x.shape[:-1], weight.shape[1])
+
 
 def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> torch.Tensor:
     """perturbed_copy(t, seed, scale); a whole tensor's -scale twin is made from the same z
@@ -536,6 +582,30 @@ def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> to
     plus, minus = perturbed_pair(t.tensor, t.name, seed, t.scaled(scale))  # c_t: fl32(eps c_t)
     pending[(id(t.tensor), seed, -scale)] = minus
     return plus
+
+
+def _stacked_copies(t: ScopedTensor, group: list[Probe], pending: Pending) -> torch.Tensor:
+    """torch.stack of `_perturbed(t, seed, scale)` (theta for a None probe) over the group,
+    the pairs of every seed made in one `perturbed_pairs` call. A seed's copy at -eps is the
+    minus of its +eps pair, bit for bit what `_perturbed` gives: fl(-a) = -fl(a), and
+    x + (-b) z is x - b z in IEEE arithmetic."""
+    plain = t.tensor.detach()
+    if t.indices is not None:
+        return torch.stack([plain if p is None else _perturbed(t, p[0], p[1], pending)
+                            for p in group])
+    mags = {(p[0], abs(p[1])) for p in group if p is not None}
+    by_mag: dict[float, list[int]] = {}
+    for seed, mag in sorted(mags):
+        by_mag.setdefault(mag, []).append(seed)
+    rows: dict[tuple[int, float], torch.Tensor] = {}
+    for mag, seeds in by_mag.items():
+        plus, minus = perturbed_pairs(plain, t.name, seeds, t.scaled(mag))
+        for i, seed in enumerate(seeds):
+            rows[(seed, mag)], rows[(seed, -mag)] = plus[i], minus[i]
+    for p in group:  # the twins `_perturbed` left for this group are these same bits
+        if p is not None:
+            pending.pop((id(t.tensor), p[0], -p[1]), None)
+    return torch.stack([plain if p is None else rows[(p[0], p[1])] for p in group])
 
 
 @contextmanager

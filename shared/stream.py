@@ -166,6 +166,28 @@ def perturbed_pair(x: torch.Tensor, name: str, seed: int, scale: float,
     return plus, minus
 
 
+def perturbed_pairs(x: torch.Tensor, name: str, seeds: Sequence[int], scale: float,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plus, minus), each of shape (len(seeds), *x.shape): row i is `perturbed_pair(x,
+    name, seeds[i], scale)`, bit for bit. The batched probe engine stacks a head's 2P
+    perturbed copies this way (one call instead of P, each of which cost more in its wrapper
+    than in its arithmetic)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name}: perturbation needs a float32 tensor, got {x.dtype}")
+    for seed in seeds:
+        _check_seed(seed)
+    src = x.detach().contiguous().view(-1)
+    plus = torch.empty((len(seeds), src.numel()), dtype=torch.float32)
+    minus = torch.empty_like(plus)
+    if KERNEL is not None:
+        KERNEL.perturb_pairs(src, plus, minus, seeds, tensor_id(name), float(np.float32(scale)))
+    else:
+        for i, seed in enumerate(seeds):
+            p, m = perturbed_pair(src, name, seed, scale)
+            plus[i], minus[i] = p, m
+    return plus.view(len(seeds), *x.shape), minus.view(len(seeds), *x.shape)
+
+
 def _check_range(numel: int, start: int, stop: int) -> None:
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"slice [{start}, {stop}) is outside a tensor of {numel} elements")

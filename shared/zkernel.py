@@ -105,6 +105,18 @@ class Kernel:
 
         _run_parts(src.numel(), 2 * src.numel(), part)
 
+    def perturb_pairs(self, src: torch.Tensor, plus: torch.Tensor, minus: torch.Tensor,
+                      seeds: Sequence[int], tid: int, scale: float) -> None:
+        """`perturb_pair` for each seed into row i of (len(seeds), n) `plus` and `minus`, one
+        call per seed and no thread pool: for small tensors (heads, adapters), where the
+        wrapper's overhead was the cost."""
+        n = src.numel()
+        x, p, m = src.data_ptr(), plus.data_ptr(), minus.data_ptr()
+        c = ctypes.c_float(scale)
+        fn = self._lib.sf_perturb_pair
+        for i, seed in enumerate(seeds):
+            fn(x, p + 4 * i * n, m + 4 * i * n, n, 0, seed, tid, c)
+
     def add_indexed(self, flat: torch.Tensor, indices: np.ndarray, compact: bool, tid: int,
                     seeds: Sequence[int], coefs: np.ndarray) -> None:
         """flat[j if compact else indices[j]] += coefs[s] * z(seeds[s])[indices[j]], seed by

@@ -15,6 +15,7 @@ from seedfed.client.trainer import (
     classification_loss,
     classification_losses,
 )
+from seedfed.shared import probes
 from seedfed.shared.estimator import ZOConfig, spsa_step
 from seedfed.shared.models import MeanPoolClassifier, apply_lora
 from seedfed.shared.probes import ProbeEngine, engine_step, repeat_batch, step_probes
@@ -96,6 +97,24 @@ def test_batched_copies_give_the_sequential_scalars(targets, one_sided) -> None:
     np.testing.assert_allclose(g, ref, atol=G_TOL, rtol=1e-3)
     assert engine.stats.copies_per_forward == len(step_probes(SEEDS, config)) - 1
     assert engine.stats.model_calls == 2  # the recording probe, then every other one at once
+
+
+def test_linear_copies_run_as_one_batched_matmul_with_the_per_copy_scalars(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, scope = _lora_llama(("q_proj", "v_proj"))
+    batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    fused = []
+    real = probes._fused_linear
+    monkeypatch.setattr(probes, "_fused_linear", lambda *a: fused.append(1) or real(*a))
+    g = _engine(scope, ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses), batch,
+                config)
+    monkeypatch.setattr(probes, "FUSED_WEIGHT_BYTES", 0)  # every copy in turn, as before
+
+    per_copy = _engine(scope, ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses),
+                       batch, config)
+
+    assert fused, "the LoRA matrices (plain nn.Linear) took the fused path"
+    np.testing.assert_allclose(g, per_copy, atol=G_TOL, rtol=1e-3)
 
 
 def test_engine_step_updates_theta_with_the_replay_arithmetic() -> None:
