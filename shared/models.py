@@ -176,7 +176,7 @@ class MeanPoolClassifier(nn.Module):
         for ids, types in rows:
             a_ids = np.asarray(ids, dtype=np.int64)
             a_types = None if types is None else np.asarray(types, dtype=np.int64)
-            key = a_ids.tobytes() + (b"" if a_types is None else a_types.tobytes())
+            key = _sentence_key(a_ids, a_types)
             if key not in self._cache:
                 self._expected.setdefault(len(a_ids), {})[key] = (
                     torch.from_numpy(a_ids), None if a_types is None else torch.from_numpy(a_types))
@@ -220,16 +220,7 @@ class MeanPoolClassifier(nn.Module):
         what its first forward ran, so a cold cache would change a step's scalars."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        lengths = attention_mask.sum(dim=1).tolist()
-        first, _ = _distinct_rows(input_ids, attention_mask, token_type_ids)
-        sentences = {}
-        for i in first:
-            ids = input_ids[i, :lengths[i]]
-            types = None if token_type_ids is None else token_type_ids[i, :lengths[i]]
-            key = _sentence_key(ids, types)
-            if key not in self._cache:
-                sentences[key] = (ids, types)
-        self._fill(sentences)
+        self._cached_rows(input_ids, attention_mask, token_type_ids)
 
     def _fill(self, sentences: Mapping[bytes, tuple[torch.Tensor, torch.Tensor | None]],
               ) -> dict[bytes, torch.Tensor]:
@@ -261,8 +252,7 @@ class MeanPoolClassifier(nn.Module):
         distinct, sentences = [], {}
         for i in first:
             n = lengths[i]
-            # `_sentence_key` of the row's tensors, from one numpy view of the batch
-            key = a_ids[i, :n].tobytes() + (b"" if a_types is None else a_types[i, :n].tobytes())
+            key = _sentence_key(a_ids[i, :n], None if a_types is None else a_types[i, :n])
             distinct.append(key)
             if key not in self._cache:
                 sentences[key] = (input_ids[i, :n],
@@ -389,10 +379,10 @@ def _distinct_rows_exact(flat: np.ndarray) -> tuple[list[int], list[int]]:
     return first, inverse
 
 
-def _sentence_key(ids: torch.Tensor, types: torch.Tensor | None) -> bytes:
+def _sentence_key(ids: np.ndarray, types: np.ndarray | None) -> bytes:
     """A sentence's cache key: its token ids (and token types), unpadded, as int64 bytes."""
-    parts = [ids] + ([] if types is None else [types])
-    return b"".join(p.to(torch.int64).numpy().tobytes() for p in parts)
+    return ids.astype(np.int64, copy=False).tobytes() + (
+        b"" if types is None else types.astype(np.int64, copy=False).tobytes())
 
 
 @contextmanager

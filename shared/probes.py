@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -504,9 +504,8 @@ class ProbeEngine:
             if got != n * rows:
                 raise UnbatchableError(f"{type(module).__name__} got {got} rows, expected "
                                        f"{n} copies x {rows}")
-            if (not self._active and isinstance(module, nn.Linear)
-                    and _fusable(module, entries, n, args, kwargs)):
-                return _fused_linear(module, entries, group, args[0], pending)
+            if not self._active and _fusable(module, entries, n, args, kwargs):
+                return _fused_linear(module, entries, group, args[0])
             outs = []
             for probe, (a, k) in zip(group, zip(_split(args, rows, n), _split(kwargs, rows, n),
                                                 strict=True), strict=True):
@@ -533,7 +532,7 @@ FUSED_WEIGHT_BYTES = 64 * 2**20
 
 
 def _fusable(module: nn.Module, entries: list[tuple[nn.Module, str, ScopedTensor]], n: int,
-             args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+             args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> TypeGuard[nn.Linear]:
     """A plain nn.Linear (a classifier head, an adapter's matrix) whose scoped tensors are
     whole, called on one tensor, with all n copies' weights within FUSED_WEIGHT_BYTES."""
     if type(module) is not nn.Linear or kwargs or len(args) != 1:
@@ -544,8 +543,7 @@ def _fusable(module: nn.Module, entries: list[tuple[nn.Module, str, ScopedTensor
 
 
 def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedTensor]],
-                  group: list[Probe], x: torch.Tensor, pending: Pending,
-                  ) -> torch.Tensor:
+                  group: list[Probe], x: torch.Tensor) -> torch.Tensor:
     """Every copy's `F.linear(x_i, W_i, b_i)` in one batched matmul, W_i and b_i the copy's
     perturbed tensors (the bits `_swapped` shows; the product rounds as a batched matmul
     does, which the module's docstring allows). A head's 2P copies were 2P tiny matmuls and
@@ -559,7 +557,7 @@ def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedT
         t = owned.get(attr)
         if t is None:  # not scoped: the same tensor in every copy
             return p.detach().expand(len(group), *p.shape)
-        return _stacked_copies(t, group, pending)
+        return _stacked_copies(t, group)
 
     weight, bias = stacked("weight"), stacked("bias")
     assert weight is not None
@@ -584,15 +582,12 @@ def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> to
     return plus
 
 
-def _stacked_copies(t: ScopedTensor, group: list[Probe], pending: Pending) -> torch.Tensor:
+def _stacked_copies(t: ScopedTensor, group: list[Probe]) -> torch.Tensor:
     """torch.stack of `_perturbed(t, seed, scale)` (theta for a None probe) over the group,
-    the pairs of every seed made in one `perturbed_pairs` call. A seed's copy at -eps is the
-    minus of its +eps pair, bit for bit what `_perturbed` gives: fl(-a) = -fl(a), and
-    x + (-b) z is x - b z in IEEE arithmetic."""
+    for a whole tensor (`_fusable`), the pairs of every seed made in one `perturbed_pairs`
+    call. A seed's copy at -eps is the minus of its +eps pair, bit for bit what `_perturbed`
+    gives: fl(-a) = -fl(a), and x + (-b) z is x - b z in IEEE arithmetic."""
     plain = t.tensor.detach()
-    if t.indices is not None:
-        return torch.stack([plain if p is None else _perturbed(t, p[0], p[1], pending)
-                            for p in group])
     mags = {(p[0], abs(p[1])) for p in group if p is not None}
     by_mag: dict[float, list[int]] = {}
     for seed, mag in sorted(mags):
@@ -602,9 +597,6 @@ def _stacked_copies(t: ScopedTensor, group: list[Probe], pending: Pending) -> to
         plus, minus = perturbed_pairs(plain, t.name, seeds, t.scaled(mag))
         for i, seed in enumerate(seeds):
             rows[(seed, mag)], rows[(seed, -mag)] = plus[i], minus[i]
-    for p in group:  # the twins `_perturbed` left for this group are these same bits
-        if p is not None:
-            pending.pop((id(t.tensor), p[0], -p[1]), None)
     return torch.stack([plain if p is None else rows[(p[0], p[1])] for p in group])
 
 

@@ -11,6 +11,8 @@ import torch
 from seedfed.client.data import tokenize
 from seedfed.shared.models import (
     MeanPoolClassifier,
+    _distinct_rows,
+    _distinct_rows_exact,
     build_model,
     expect_texts,
     frozen_prefix_depth,
@@ -298,3 +300,14 @@ def test_stacked_copies_of_a_batch_get_each_rows_own_bits(patterns) -> None:  # 
         assert torch.equal(together, expected)
     else:
         assert torch.allclose(together, expected, atol=1e-5)
+
+
+def test_distinct_rows_match_the_exact_loop_on_stacked_copies() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 3), (16, 2), (16, 1000), (33, 5)]:
+        base = torch.randint(0, vocab, (rows, 6), generator=gen)
+        ids = base.repeat(8, 1)
+        mask = torch.ones_like(ids)
+        flat = torch.cat([ids, mask], dim=1).numpy()
+
+        assert _distinct_rows(ids, mask, None) == _distinct_rows_exact(flat)

@@ -1,5 +1,5 @@
-"""The token memo pads batches to the tensors the tokenizer itself returns, and the feature
-cache keys and finds the same rows through it."""
+"""The token memo pads batches to the tensors the tokenizer itself returns and tokenizes each
+text once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from seedfed.client.data import tokenize
-from seedfed.shared.models import _distinct_rows, _distinct_rows_exact
 from seedfed.shared.tokens import TokenMemo, memo_for
 from transformers import AutoTokenizer
 
@@ -61,14 +60,3 @@ def test_a_left_padding_tokenizer_gets_no_memo(tokenizer) -> None:  # noqa: ANN0
         pad_token_id, padding_side = 0, "left"
 
     assert memo_for(Left(), 16) is None and memo_for(tokenizer, 16) is not None
-
-
-def test_distinct_rows_match_the_exact_loop_on_stacked_copies() -> None:
-    gen = torch.Generator().manual_seed(0)
-    for rows, vocab in [(1, 3), (16, 2), (16, 1000), (33, 5)]:
-        base = torch.randint(0, vocab, (rows, 6), generator=gen)
-        ids = base.repeat(8, 1)
-        mask = torch.ones_like(ids)
-        flat = torch.cat([ids, mask], dim=1).numpy()
-
-        assert _distinct_rows(ids, mask, None) == _distinct_rows_exact(flat)
