@@ -14,6 +14,9 @@ features the shared head sees to the class logits:
 - `fedper`: a personal copy of the head, initialized from the shared head once and then trained
   freely (FedPer / FedRep: shared body, personal head); it no longer follows the fleet.
 
+Each form applies only where the device has evidence (`client.personal_gate`): inputs far from
+every example the personal part trained on keep the shared model's logits.
+
 A device also trains a *local-only* head (from the task's prototype head, on its own data only,
 with the same ZO budget): the evaluation's reference for "what this device could learn alone".
 
@@ -46,6 +49,7 @@ from seedfed.shared.models import ModelBundle, classifier_module
 from torch import nn
 
 from . import data as data_mod
+from .personal_gate import EvidenceGate, gated
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,9 @@ class PersonalConfig:
     #: constant feature gives it the largest curvature, which otherwise caps the lr that the
     #: weights' directions can take (docs/accuracy.md, "Fifth session")
     bias_scale: float = 0.1
+    #: Apply the personal part only to inputs near the examples it trained on, the shared model
+    #: elsewhere (`client.personal_gate`; docs/personalization.md, "The evidence gate").
+    gate: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -216,6 +223,7 @@ class PersonalPart:
         self.fingerprint = model_fingerprint(bundle, self.prototype)
         self.personal: Head | None = None
         self.local: Head | None = None
+        self.gate: EvidenceGate | None = None  # anchors of the last personal round
         self.rounds = 0
         self.refused: str | None = None  # why the last stored state was refused, if it was
 
@@ -223,6 +231,7 @@ class PersonalPart:
     def reset(self) -> None:
         """Forget the personal part (and the reference): the device scores the shared model."""
         self.personal = self.local = None
+        self.gate = None
         self.rounds = 0
 
     def to_bytes(self) -> bytes:
@@ -233,9 +242,13 @@ class PersonalPart:
             tensors["personal"] = self.personal.theta
         if self.local is not None:
             tensors["local"] = self.local.theta
+        if self.gate is not None:
+            tensors["anchors"] = self.gate.anchors
         meta = {"format": FORMAT, "task": self.task_id, "fingerprint": self.fingerprint,
                 "method": self.config.method, "rounds": str(self.rounds),
                 "labels": str(self.prototype.labels), "hidden": str(self.prototype.hidden)}
+        if self.gate is not None:
+            meta["radius"] = repr(self.gate.radius)
         return save(tensors, metadata=meta)
 
     def load_bytes(self, data: bytes) -> None:
@@ -257,6 +270,8 @@ class PersonalPart:
         if meta.get("method") != self.config.method:
             raise PersonalStateError(f"personal state is a {meta.get('method')!r} part, this "
                                      f"device trains {self.config.method!r}")
+        gate = _stored_gate(tensors.pop("anchors", None), meta.get("radius"),
+                            self.prototype.hidden)
         size = self.prototype.theta.numel()
         heads: dict[str, Head] = {}
         for name, theta in tensors.items():
@@ -270,6 +285,7 @@ class PersonalPart:
         if "local" in heads and "personal" not in heads:
             raise PersonalStateError("personal state holds a reference but no personal part")
         self.personal, self.local = heads.get("personal"), heads.get("local")
+        self.gate = gate
         try:
             self.rounds = int(meta.get("rounds", "0"))
         except ValueError as e:
@@ -325,6 +341,7 @@ class PersonalPart:
         parts = list(features(self.bundle, examples.subset(used)))
         all_feats = torch.cat([f for f, _ in parts])
         all_labels = torch.cat([y for _, y in parts])
+        self.gate = EvidenceGate.of(all_feats)
         for pick in picks:
             idx = torch.tensor([rows[int(i)] for i in pick])
             feats, labels = all_feats[idx], all_labels[idx]
@@ -369,9 +386,11 @@ class PersonalPart:
         labels = self.prototype.labels
         if self.personal is None:
             return _logits(shared.theta, feats, labels)
+        base = _logits(shared.theta, feats, labels)
         out = _logits(self.personal.theta, feats, labels)
-        return out + _logits(shared.theta, feats, labels) \
-            if self.config.method == "residual" else out
+        if self.config.method == "residual":
+            out = out + base
+        return gated(out, base, self.gate if self.config.gate else None, feats)
 
     @torch.no_grad()
     def score(self, examples: data_mod.Examples) -> PersonalScores | None:
@@ -392,6 +411,20 @@ class PersonalPart:
         n = len(examples)
         return PersonalScores(right["shared"] / n, right["personal"] / n,
                               right["local"] / n if self.local is not None else None, n)
+
+
+def _stored_gate(anchors: torch.Tensor | None, radius: str | None, hidden: int
+                 ) -> EvidenceGate | None:
+    """The evidence gate of a stored state (none in a state written before the gate, or
+    before the first personal round), or PersonalStateError."""
+    if anchors is None and radius is None:
+        return None
+    try:
+        if anchors is None or radius is None or anchors.dim() != 2 or anchors.shape[1] != hidden:
+            raise ValueError(f"anchors and radius must come together, {hidden} features wide")
+        return EvidenceGate(anchors.clone(), float(radius))
+    except ValueError as e:
+        raise PersonalStateError(f"personal state's evidence gate is corrupt ({e})") from e
 
 
 def _metadata(data: bytes) -> dict[str, Any]:
