@@ -231,6 +231,11 @@ def simulate(
     engine: str = typer.Option("flower", "--engine", help="flower (Flower's Simulation "
                                "Engine, a Ray actor per CPU) or inprocess (the same rounds and "
                                "messages delivered in this process: fastest for small models)"),
+    feature_cache: str = typer.Option("auto", "--feature-cache", help="where encoded sentence "
+                                      "features are kept: auto (shared by every run: "
+                                      "SEEDFED_FEATURE_CACHE, else ~/.cache/seedfed/features; a "
+                                      "repeated run skips the encoding), run (this run's "
+                                      "directory only) or a directory"),
     fmt: str = typer.Option(None, "--format", help="published format of the shared model: "
                             "fp32, int8, int4, ternary (TerMeZO on a BitLinear model; "
                             "--model a `seedfed ternarize` base) (default: the recipe's)"),
@@ -259,6 +264,7 @@ def simulate(
         config = SimulationConfig(
             out=run_dir, devices=devices, rounds=rounds, data=data, alpha=alpha, scope=scope,
             seed=seed, engine=engine, personal=personal, label_skew=label_skew,
+            feature_cache=feature_cache,
             **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -84,12 +84,18 @@ class SimulationConfig:
     scope_options: dict[str, Any] | None = None
     personal: str = "residual"  # each device's personal part (client.personal); "off": none
     label_skew: float = 0.0  # > 0: label-skewed split of a file (DeviceData.label_skew)
+    #: where encoded sentence features are kept (seedfed.features.store_root): "auto" (the
+    #: user's cache, shared by every run: a repeated run skips the encoding), "run" (this run's
+    #: directory only) or a directory
+    feature_cache: str = "auto"
 
     def __post_init__(self) -> None:
         from seedfed.client.personal import METHODS
 
         if self.personal not in METHODS:
             raise ValueError(f"personal must be one of {METHODS}, got {self.personal!r}")
+        if not self.feature_cache:
+            raise ValueError("feature_cache must be 'auto', 'run' or a directory")
         if not 0 <= self.label_skew < 1:
             raise ValueError(f"label_skew must be in [0, 1), got {self.label_skew}")
         if self.engine not in ENGINES:
@@ -313,16 +319,12 @@ def simulation_secret(seed: int, training_run: int = 0) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
-#: The run directory's shared feature store (seedfed.features): one encoding per run.
-FEATURES_DIR = "features"
-
-
 def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
         ) -> Report:
     """Run the whole simulation; returns the report (also written to the run directory)."""
     _quiet_transformers()
     from seedfed.device_times import DEVICE_TIMES, DeviceTimes
-    from seedfed.features import SharedFeatures
+    from seedfed.features import SharedFeatures, store_root
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
     from seedfed.server.settings import Settings
@@ -352,7 +354,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
                                         sync_every=config.sync_every,
                                         final_round=config.rounds, sample_seed=config.seed)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
-        features = SharedFeatures(out / FEATURES_DIR)
+        features = SharedFeatures(store_root(config.feature_cache, out))
         evaluator = Evaluator(spec, test, features) if len(test) else None
         evaluate_fn = _RoundScorer(config, report, coordinator, task_id, strategy, evaluator,
                                    on_round, DeviceTimes(out / DEVICE_TIMES))

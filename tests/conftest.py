@@ -8,6 +8,14 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# simulations share encoded features across runs (seedfed.features): within this session only
+if "SEEDFED_FEATURE_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["SEEDFED_FEATURE_CACHE"] = tempfile.mkdtemp(prefix="seedfed-features-")
+    atexit.register(shutil.rmtree, os.environ["SEEDFED_FEATURE_CACHE"], True)
 
 
 # --- fixtures shared by the fleet tests (Flower apps, HTTP device) -----------------------------

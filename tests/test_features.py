@@ -1,4 +1,4 @@
-"""The run directory's shared feature store: what one process puts, another gets bit for bit."""
+"""The shared feature store: what one process puts, another gets bit for bit; where it lives."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedfed.features import SharedFeatures
+from seedfed.features import AUTO, RUN, RUN_DIR_NAME, SharedFeatures, store_root
 
 NS = "ab12" * 16
 
@@ -54,3 +54,33 @@ def test_namespaces_are_separate_and_must_be_digests(tmp_path: Path) -> None:
     assert store.get("cd34" * 16, [b"k"]) == {}
     with pytest.raises(ValueError, match="namespace"):
         store.get("../elsewhere", [b"k"])
+
+
+def test_a_damaged_segment_is_skipped_and_its_rows_are_missing(tmp_path: Path) -> None:
+    # Arrange: a long-lived cache whose one segment was overwritten after its first record
+    writer = SharedFeatures(tmp_path)
+    writer.put(NS, {b"first": torch.ones(2)})
+    writer.put(NS, {b"second": torch.zeros(2)})
+    segment = next((tmp_path / NS).glob("*.seg"))
+    data = bytearray(segment.read_bytes())
+    second = data.index(b"SFF1", 4)
+    data[second:second + 4] = b"XXXX"
+    segment.write_bytes(bytes(data))
+    # Act
+    got = SharedFeatures(tmp_path).get(NS, [b"first", b"second"])
+    # Assert: what precedes the damage is read; the rest is encoded again by the caller
+    assert set(got) == {b"first"}
+
+
+def test_the_store_lives_in_the_users_cache_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Arrange
+    run = tmp_path / "run"
+    monkeypatch.delenv("SEEDFED_FEATURE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    # Act / Assert
+    assert store_root(AUTO, run) == tmp_path / "xdg" / "seedfed" / "features"
+    monkeypatch.setenv("SEEDFED_FEATURE_CACHE", str(tmp_path / "mine"))
+    assert store_root(AUTO, run) == tmp_path / "mine"
+    assert store_root(RUN, run) == run / RUN_DIR_NAME
+    assert store_root(str(tmp_path / "given"), run) == tmp_path / "given"

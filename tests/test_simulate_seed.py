@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from seedfed.cli import app
-from seedfed.simulate import FEATURES_DIR, simulation_secret
+from seedfed.features import RUN_DIR_NAME
+from seedfed.simulate import simulation_secret
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # 2-10 min on the loaded 2 cores
@@ -27,26 +28,36 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
             write_sentiment_tsv(root / "data.tsv", n=300))
 
 
-def _final(inputs: tuple[Path, Path, Path], name: str, seed: int) -> dict:
+def _final(inputs: tuple[Path, Path, Path], name: str, seed: int, cache: str = "run") -> dict:
     root, model, data = inputs
     out = root / name
     result = CliRunner().invoke(app, [
         "simulate", "--devices", "3", "--rounds", "3", "--model", str(model),
         "--data", str(data), "--scope", "head", "--steps", "2", "--perturbations", "4",
         "--batch-size", "8", "--eval-size", "30", "--eval-every", "3", "--cpus", "2",
-        "--seed", str(seed), "--out", str(out)])
+        "--seed", str(seed), "--out", str(out), "--feature-cache", cache])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     report = json.loads((out / "report.json").read_text())
-    assert (out / FEATURES_DIR).is_dir()  # the run shared its features through the store
+    if cache == "run":  # the run shared its features through its own store
+        assert (out / RUN_DIR_NAME).is_dir()
     return report
+
+
+def _segments(store: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in store.rglob("*.seg")}
 
 
 def test_the_same_seed_gives_the_same_final_checksum_and_another_seed_another(
         inputs: tuple[Path, Path, Path]) -> None:
+    # Arrange / Act: the second run of seed 7 reads every row from the first run's store
     first = _final(inputs, "a", seed=7)
-    again = _final(inputs, "b", seed=7)
+    store = inputs[0] / "a" / RUN_DIR_NAME
+    encoded = _segments(store)
+    again = _final(inputs, "b", seed=7, cache=str(store))
     other = _final(inputs, "c", seed=8)
 
+    # Assert: a warm store encodes nothing and changes no bit of the run
+    assert encoded and _segments(store) == encoded
     assert first["final_version"] == again["final_version"] == 3
     assert first["final_checksum"] == again["final_checksum"]
     assert other["final_checksum"] != first["final_checksum"]
