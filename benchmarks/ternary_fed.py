@@ -148,17 +148,21 @@ print(json.dumps({"loaded_mib": loaded, "infer_peak_mib": infer, "zo_peak_mib": 
 """
 
 
-def memory(data: str, model: str, variant: str, b: Budget, work: Path) -> dict[str, Any]:
-    """Device peak memory of packed inference vs one ZO step (own process), and mask bytes."""
+def memory(data: str, model: str, variant: str, b: Budget, work: Path,
+           **overrides: Any) -> dict[str, Any]:
+    """Device peak memory of packed inference vs one ZO step (own process), and mask bytes,
+    with the runs' settings (`overrides`: what `--tune` chose)."""
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.settings import Settings
 
     from seedfed.simulate import SimulationConfig, task_spec_for
 
-    options = {**VARIANTS[variant], "fraction": b.fraction, "epoch_rounds": b.epoch_rounds}
+    options = {**VARIANTS[variant], "fraction": overrides.get("fraction", b.fraction),
+               "epoch_rounds": overrides.get("epoch_rounds", b.epoch_rounds)}
     cfg = SimulationConfig(out=work, model=model, data=data, format="ternary",
                            perturbations=b.perturbations, batch_size=b.batch_size, steps=1,
-                           lr=b.head_lr if variant == "head" else b.lr, eps=b.eps,
+                           lr=b.head_lr if variant == "head" else overrides.get("lr", b.lr),
+                           eps=b.eps,
                            personal="off", scope_options=options)
     from seedfed.simulate import _label_texts
 
@@ -298,7 +302,7 @@ def main() -> None:
                       flush=True)
         if not a.no_memory:
             for v in variants:
-                result["memory"][v] = memory(a.data, a.model, v, b, work / f"mem-{v}")
+                result["memory"][v] = memory(a.data, a.model, v, b, work / f"mem-{v}", **chosen)
                 save()
     result["summary"] = summarize(runs)
     save()
