@@ -14,74 +14,24 @@ from seedfed.client.personal import (
     PersonalStateError,
     features,
 )
-from seedfed.shared.models import ModelBundle, build_model
-from seedfed.shared.task import Hyper, TaskSpec
 
-from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
+from tests.client.personal_helpers import build_assets, bundle_of, flipped, trained
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _informative(path: Path) -> Path:
-    """The tiny sentence BERT with unit LayerNorm gains and no biases: its random weights
-    then keep which words a sentence holds, so a linear head can separate the sentiment
-    words (with the helper's 0.05-scaled gains every sentence embeds almost alike)."""
-    import torch
-    from transformers import BertModel
-
-    model = BertModel.from_pretrained(path)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    root = tmp_path_factory.mktemp("personal")
-    return (_informative(make_tiny_sentence_bert(root / "model")),
-            _informative(make_tiny_sentence_bert(root / "other", seed=1)),
-            write_sentiment_tsv(root / "data.tsv", n=240))
-
-
-def _spec(model: Path) -> TaskSpec:
-    return TaskSpec(model_path=str(model), label_texts=("bad", "good"), max_seq_len=16,
-                    scope="named", scope_options={"patterns": ["classifier"]},
-                    hyper=Hyper(lr=1e-2, eps=1e-2, steps=1, perturbations=2, batch_size=8))
-
-
-def _bundle(model: Path) -> ModelBundle:
-    return build_model(_spec(model), initialize=False)
-
-
-def _flipped(path: Path) -> tuple[data_mod.Examples, data_mod.Examples]:
-    """A device whose owner means the opposite of the labels: the shared (prototype) head is
-    wrong for it, so only a personal part can fit it."""
-    ex = data_mod.load_labelled(path)
-    ex = data_mod.Examples(ex.texts, 1 - ex.labels)
-    return ex.subset(range(160)), ex.subset(range(160, 240))
-
-
-def _trained(bundle: ModelBundle, train: data_mod.Examples, rounds: int = 20,
-             **options: object) -> PersonalPart:
-    part = PersonalPart(PersonalConfig(**options), bundle, "task-a")  # type: ignore[arg-type]
-    rng = np.random.default_rng(0)
-    for _ in range(rounds):
-        part.train(train, rng)
-    return part
+    return build_assets(tmp_path_factory.mktemp("personal"))
 
 
 def test_an_untrained_residual_part_scores_exactly_the_shared_model(
         assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
+    bundle = bundle_of(model)
     part = PersonalPart(PersonalConfig(), bundle, "task-a")
-    _, held = _flipped(data)
+    _, held = flipped(data)
     # Act
     scores = part.score(held)
     # Assert
@@ -95,11 +45,11 @@ def test_zo_training_fits_a_device_whose_taste_the_shared_model_gets_wrong(
         assets: tuple[Path, Path, Path], method: str) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, held = _flipped(data)
+    bundle = bundle_of(model)
+    train, held = flipped(data)
     before = PersonalPart(PersonalConfig(method=method), bundle, "task-a").score(held)
     # Act
-    part = _trained(bundle, train, rounds=40, method=method, lr=4.0, decay=0.0)
+    part = trained(bundle, train, rounds=40, method=method, lr=4.0, decay=0.0)
     after = part.score(held)
     # Assert
     assert before is not None and after is not None
@@ -112,9 +62,9 @@ def test_the_personal_state_round_trips_and_scores_the_same(
         assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, held = _flipped(data)
-    part = _trained(bundle, train, rounds=3)
+    bundle = bundle_of(model)
+    train, held = flipped(data)
+    part = trained(bundle, train, rounds=3)
     fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
     # Act
     fresh.load_bytes(part.to_bytes())
@@ -127,8 +77,8 @@ def test_a_reset_part_stores_an_empty_state_that_loads_as_untrained(
         assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    part = _trained(bundle, _flipped(data)[0], rounds=1)
+    bundle = bundle_of(model)
+    part = trained(bundle, flipped(data)[0], rounds=1)
     # Act
     part.reset()
     fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
@@ -143,16 +93,16 @@ def test_a_state_that_does_not_belong_is_refused_and_rebuilt(
         assets: tuple[Path, Path, Path], case: str) -> None:
     # Arrange
     model, other, data = assets
-    train, held = _flipped(data)
-    good = _trained(_bundle(model), train, rounds=2)
+    train, held = flipped(data)
+    good = trained(bundle_of(model), train, rounds=2)
     blob = good.to_bytes()
-    target = PersonalPart(PersonalConfig(), _bundle(model), "task-a")
+    target = PersonalPart(PersonalConfig(), bundle_of(model), "task-a")
     if case == "other task":
-        target = PersonalPart(PersonalConfig(), _bundle(model), "task-b")
+        target = PersonalPart(PersonalConfig(), bundle_of(model), "task-b")
     elif case == "other model":
-        target = PersonalPart(PersonalConfig(), _bundle(other), "task-a")
+        target = PersonalPart(PersonalConfig(), bundle_of(other), "task-a")
     elif case == "other method":
-        target = PersonalPart(PersonalConfig(method="fedper"), _bundle(model), "task-a")
+        target = PersonalPart(PersonalConfig(method="fedper"), bundle_of(model), "task-a")
     elif case == "corrupt":
         blob = blob[: len(blob) // 2]
     else:
@@ -174,7 +124,7 @@ def test_a_state_that_does_not_belong_is_refused_and_rebuilt(
 def test_features_come_one_batch_at_a_time_in_order(assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
+    bundle = bundle_of(model)
     examples = data_mod.load_labelled(data).subset(range(50))
     # Act
     parts = list(features(bundle, examples, batch_size=16))
@@ -204,8 +154,8 @@ def test_a_bias_scale_probes_and_steps_the_bias_in_phi_units(
     import torch
 
     model, _, data = assets
-    bundle = _bundle(model)
-    train, _ = _flipped(data)
+    bundle = bundle_of(model)
+    train, _ = flipped(data)
     parts = list(features(bundle, train.subset(range(16))))
     feats, labels = torch.cat([f for f, _ in parts]), torch.cat([y for _, y in parts])
     c = 0.1

@@ -13,9 +13,14 @@ from seedfed.client import data as data_mod
 from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalStateError, features
 from seedfed.client.personal_gate import MAX_ANCHORS, EvidenceGate, gated
 
-from tests.client.test_personal import _bundle, _flipped, _trained, assets  # noqa: F401
+from tests.client.personal_helpers import build_assets, bundle_of, flipped, trained
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    return build_assets(tmp_path_factory.mktemp("gate"))
 
 
 def _clusters() -> torch.Tensor:
@@ -85,12 +90,12 @@ def _far(examples: data_mod.Examples) -> data_mod.Examples:
 
 
 def test_a_trained_part_leaves_the_shared_model_alone_outside_its_evidence(
-        assets: tuple[Path, Path, Path]) -> None:  # noqa: F811
+        assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, held = _flipped(data)
-    part = _trained(bundle, train, rounds=5, lr=4.0)
+    bundle = bundle_of(model)
+    train, held = flipped(data)
+    part = trained(bundle, train, rounds=5, lr=4.0)
     assert part.gate is not None
     own = torch.cat([f for f, _ in features(bundle, held)])
     far = torch.cat([f for f, _ in features(bundle, _far(held))])
@@ -113,12 +118,12 @@ def test_a_trained_part_leaves_the_shared_model_alone_outside_its_evidence(
 
 
 def test_the_gate_round_trips_in_the_personal_state_and_a_state_without_one_still_loads(
-        assets: tuple[Path, Path, Path]) -> None:  # noqa: F811
+        assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, _ = _flipped(data)
-    part = _trained(bundle, train, rounds=2)
+    bundle = bundle_of(model)
+    train, _ = flipped(data)
+    part = trained(bundle, train, rounds=2)
     stored = part.to_bytes()
     tensors = load(stored)
     meta = {k: v for k, v in _meta(stored).items() if k != "radius"}
@@ -136,13 +141,13 @@ def test_the_gate_round_trips_in_the_personal_state_and_a_state_without_one_stil
 
 
 @pytest.mark.parametrize("damage", ["no radius", "nan anchors", "narrow anchors"])
-def test_a_corrupt_gate_is_refused(assets: tuple[Path, Path, Path],  # noqa: F811
+def test_a_corrupt_gate_is_refused(assets: tuple[Path, Path, Path],
                                    damage: str) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, _ = _flipped(data)
-    stored = _trained(bundle, train, rounds=1).to_bytes()
+    bundle = bundle_of(model)
+    train, _ = flipped(data)
+    stored = trained(bundle, train, rounds=1).to_bytes()
     tensors, meta = dict(load(stored)), dict(_meta(stored))
     if damage == "no radius":
         del meta["radius"]
@@ -162,14 +167,14 @@ def _meta(data: bytes) -> dict[str, str]:
 
 
 def test_the_gate_does_not_change_what_a_part_learns(
-        assets: tuple[Path, Path, Path]) -> None:  # noqa: F811
+        assets: tuple[Path, Path, Path]) -> None:
     # Arrange
     model, _, data = assets
-    bundle = _bundle(model)
-    train, _ = _flipped(data)
+    bundle = bundle_of(model)
+    train, _ = flipped(data)
     # Act
-    on = _trained(bundle, train, rounds=3)
-    off = _trained(bundle, train, rounds=3, gate=False)
+    on = trained(bundle, train, rounds=3)
+    off = trained(bundle, train, rounds=3, gate=False)
     # Assert
     assert on.personal is not None and off.personal is not None
     assert torch.equal(on.personal.theta, off.personal.theta)
