@@ -45,6 +45,8 @@ import torch
 log = logging.getLogger(__name__)
 
 MAGIC = b"SFF1"
+_HEAD = struct.Struct("<4sII")  # magic, key length, number of dimensions
+_DIM = struct.Struct("<I")
 #: `store_root` settings: the user's cache shared across runs, or the run directory alone.
 AUTO, RUN = "auto", "run"
 #: A run directory's own store (`store_root(RUN, ...)`).
@@ -62,8 +64,6 @@ def store_root(setting: str, run_dir: Path) -> Path:
         return Path(os.environ["SEEDFED_FEATURE_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "seedfed" / "features"
-_HEAD = struct.Struct("<4sII")  # magic, key length, number of dimensions
-_DIM = struct.Struct("<I")
 
 
 def _record(key: bytes, row: torch.Tensor) -> bytes:

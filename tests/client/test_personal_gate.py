@@ -10,7 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load, save
 from seedfed.client import data as data_mod
-from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalStateError, features
+from seedfed.client.personal import (
+    PersonalConfig,
+    PersonalPart,
+    PersonalStateError,
+    _logits,
+    _metadata,
+    features,
+    shared_head,
+)
 from seedfed.client.personal_gate import MAX_ANCHORS, EvidenceGate, gated
 
 from tests.client.personal_helpers import build_assets, bundle_of, flipped, trained
@@ -109,7 +117,6 @@ def test_a_trained_part_leaves_the_shared_model_alone_outside_its_evidence(
     assert covered[: len(own)].float().mean() > 0.5
     assert not bool(covered[len(own):].all())  # some sentences lie outside the evidence
     assert scores is not None and free is not None and scores.shared == free.shared
-    from seedfed.client.personal import _logits, shared_head
     shared = shared_head(bundle.model)
     base = _logits(shared.theta, feats, 2)
     mixed = part.personal_logits(feats, shared)
@@ -126,7 +133,7 @@ def test_the_gate_round_trips_in_the_personal_state_and_a_state_without_one_stil
     part = trained(bundle, train, rounds=2)
     stored = part.to_bytes()
     tensors = load(stored)
-    meta = {k: v for k, v in _meta(stored).items() if k != "radius"}
+    meta = {k: v for k, v in _metadata(stored).items() if k != "radius"}
     without = save({k: v for k, v in tensors.items() if k != "anchors"}, metadata=meta)
     # Act
     fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
@@ -148,7 +155,7 @@ def test_a_corrupt_gate_is_refused(assets: tuple[Path, Path, Path],
     bundle = bundle_of(model)
     train, _ = flipped(data)
     stored = trained(bundle, train, rounds=1).to_bytes()
-    tensors, meta = dict(load(stored)), dict(_meta(stored))
+    tensors, meta = dict(load(stored)), dict(_metadata(stored))
     if damage == "no radius":
         del meta["radius"]
     elif damage == "nan anchors":
@@ -158,12 +165,6 @@ def test_a_corrupt_gate_is_refused(assets: tuple[Path, Path, Path],
     # Act / Assert
     with pytest.raises(PersonalStateError, match="evidence gate"):
         PersonalPart(PersonalConfig(), bundle, "task-a").load_bytes(save(tensors, metadata=meta))
-
-
-def _meta(data: bytes) -> dict[str, str]:
-    import json
-    n = int.from_bytes(data[:8], "little")
-    return dict(json.loads(data[8:8 + n])["__metadata__"])
 
 
 def test_the_gate_does_not_change_what_a_part_learns(
