@@ -9,7 +9,10 @@ devices, steps and perturbations, so the same number of forwards per device:
 - `threshold`: the TerMeZO mask (latents nearest gamma / 2), prototype head frozen;
 - `random`: as many latents drawn uniformly;
 - `full`: every latent (full-latent MeZO: the device holds every latent);
-- `head`: no latent, the float head alone (selection 'none' + train_head, head-sized lr).
+- `head`: no latent, the float head alone (selection 'none' + train_head, head-sized lr,
+  the head's P and the SST-2 head recipe's bias step scale);
+- `threshold+head`, `random+head`: alternate mask epochs (`TernaryOptions.alternate`): even
+  epochs the float head alone (head lr, head P), odd epochs that mask's latents alone.
 
 Per run: held-out accuracy of version 0 (the ternary base, zero-shot) and of the last version;
 with `--tune`, the threshold mask's fraction, epoch length and lr are first chosen on the
@@ -37,27 +40,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: variant -> (scope option overrides, lr multiplier name)
+#: Scope options every variant sets (over the ternary recipe's), so a variant is only itself.
+PLAIN: dict[str, Any] = {"train_head": False, "alternate": False, "head_lr": None,
+                         "head_perturbations": None}
+#: variant -> scope option overrides
 VARIANTS: dict[str, dict[str, Any]] = {
-    "threshold": {"selection": "threshold"},
-    "random": {"selection": "random"},
-    "full": {"selection": "full"},
-    "head": {"selection": "none", "train_head": True},
+    "threshold": {**PLAIN, "selection": "threshold"},
+    "random": {**PLAIN, "selection": "random"},
+    "full": {**PLAIN, "selection": "full"},
+    "head": {**PLAIN, "selection": "none", "train_head": True},
+    "threshold+head": {**PLAIN, "selection": "threshold", "train_head": True, "alternate": True},
+    "random+head": {**PLAIN, "selection": "random", "train_head": True, "alternate": True},
 }
+#: The SST-2 head recipe's conditioning of the head (client/recipes.py: HEAD_STEP_SCALES).
+HEAD_STEP_SCALES = (("classifier.bias", 0.1),)
 
 
 @dataclass(frozen=True)
 class Budget:
-    rounds: int = 10
-    devices: int = 6
-    per_round: int = 3
+    """The fleet and settings of every variant; the defaults are the ternary recipe's
+    (client/recipes.py: ternary_recipe), so the benchmark measures what `seedfed simulate
+    --format ternary` runs."""
+
+    rounds: int = 40
+    devices: int = 10
+    per_round: int = 10
     perturbations: int = 4
     batch_size: int = 8
-    eval_size: int = 300
-    lr: float = 1e-3  # latent variants
-    head_lr: float = 4.0  # the SST-2 head recipe's lr (client/recipes.py)
+    eval_size: int = 1000
+    lr: float = 3.3e-4  # latent variants (and the alternate variants' latent epochs)
+    head_lr: float = 32.0  # the head's start lr (the SST-2 head recipe's)
+    head_perturbations: int = 512  # seeds per step when the head alone trains
     eps: float = 1e-3
-    fraction: float = 0.01
+    fraction: float = 0.05
     epoch_rounds: int = 5
     alpha: float = 0.5
 
@@ -71,27 +86,43 @@ class Run:
     final: float | None
     seconds: float
     options: dict[str, Any] = field(default_factory=dict)
+    #: seconds the devices' calls took in all (train + sync, every device, every round)
+    device_seconds: float | None = None
 
 
 def one_run(data: str, model: str, variant: str, seed: int, b: Budget, out: Path,
             validation: bool = False, **overrides: Any) -> Run:
     from seedfed.simulate import SimulationConfig, run
 
-    options = {**VARIANTS[variant], "fraction": overrides.get("fraction", b.fraction),
-               "epoch_rounds": overrides.get("epoch_rounds", b.epoch_rounds)}
-    lr = b.head_lr if variant == "head" else overrides.get("lr", b.lr)
+    options, hyper = variant_settings(variant, b, **overrides)
     cfg = SimulationConfig(out=out, devices=b.devices, rounds=b.rounds, steps=1,
-                           perturbations=b.perturbations, model=model, data=data,
-                           alpha=b.alpha, seed=seed, devices_per_round=b.per_round, lr=lr,
-                           eps=b.eps, batch_size=b.batch_size, eval_size=b.eval_size,
-                           engine="inprocess", eval_every=b.rounds,
+                           model=model, data=data, alpha=b.alpha, seed=seed,
+                           devices_per_round=b.per_round, eps=b.eps, batch_size=b.batch_size,
+                           eval_size=b.eval_size, engine="inprocess", eval_every=b.rounds,
                            eval_on_validation=validation, format="ternary",
-                           personal="off", scope_options=options)
+                           personal="off", scope_options=options, **hyper)
     started = time.perf_counter()
     report = run(cfg)
     final = report.rounds[-1].accuracy if report.rounds else None
     return Run(variant, seed, "validation" if validation else "test", report.initial_accuracy,
-               final, time.perf_counter() - started, {**options, "lr": lr})
+               final, time.perf_counter() - started, {**options, **hyper},
+               sum(r.device_compute_s or 0.0 for r in report.rounds))
+
+
+def variant_settings(variant: str, b: Budget, **overrides: Any,
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(scope options, SimulationConfig lr / perturbations / step_scales) of a variant."""
+    options = {**VARIANTS[variant], "fraction": overrides.get("fraction", b.fraction),
+               "epoch_rounds": overrides.get("epoch_rounds", b.epoch_rounds)}
+    lr = overrides.get("lr", b.lr)
+    if variant == "head":
+        return options, {"lr": b.head_lr, "perturbations": b.head_perturbations,
+                         "step_scales": HEAD_STEP_SCALES}
+    if options.get("alternate"):
+        options.update(head_lr=b.head_lr, head_perturbations=b.head_perturbations)
+        return options, {"lr": lr, "perturbations": b.perturbations,
+                         "step_scales": HEAD_STEP_SCALES}
+    return options, {"lr": lr, "perturbations": b.perturbations, "step_scales": ()}
 
 
 def tune(data: str, model: str, b: Budget, work: Path) -> tuple[dict[str, Any], list[Run]]:
@@ -133,11 +164,12 @@ with torch.no_grad():
     dev.model(**{k: v for k, v in batch.items() if k != "labels"})
 infer = vm("VmHWM")
 Path("/proc/self/clear_refs").write_text("5")
-seeds = [list(range(1, spec.hyper.perturbations + 1))]
+lr, steps, p = spec.round_hyper(1, 0)  # alternate epochs: v0 is a head epoch (head P)
+seeds = [list(range(1 + s * p, 1 + (s + 1) * p)) for s in range(steps)]
 plan = RoundPlan(task_id="m", round=1, version=0, seeds=seeds,
-                 lr=spec.hyper.lr, eps=spec.hyper.eps, batch_size=spec.hyper.batch_size,
+                 lr=lr, eps=spec.hyper.eps, batch_size=spec.hyper.batch_size,
                  scope="ternary", mask_epoch=0)
-dev.trainer.run(plan, iter([batch]))
+dev.trainer.run(plan, iter([batch] * steps))
 zo = vm("VmHWM")
 parts = dev.scope.device_bytes()
 print(json.dumps({"loaded_mib": loaded, "infer_peak_mib": infer, "zo_peak_mib": zo,
@@ -157,13 +189,10 @@ def memory(data: str, model: str, variant: str, b: Budget, work: Path,
 
     from seedfed.simulate import SimulationConfig, task_spec_for
 
-    options = {**VARIANTS[variant], "fraction": overrides.get("fraction", b.fraction),
-               "epoch_rounds": overrides.get("epoch_rounds", b.epoch_rounds)}
+    options, hyper = variant_settings(variant, b, **overrides)
     cfg = SimulationConfig(out=work, model=model, data=data, format="ternary",
-                           perturbations=b.perturbations, batch_size=b.batch_size, steps=1,
-                           lr=b.head_lr if variant == "head" else overrides.get("lr", b.lr),
-                           eps=b.eps,
-                           personal="off", scope_options=options)
+                           batch_size=b.batch_size, steps=1, eps=b.eps,
+                           personal="off", scope_options=options, **hyper)
     from seedfed.simulate import _label_texts
 
     spec = task_spec_for(cfg, _label_texts(data, 2))
@@ -183,10 +212,10 @@ def memory(data: str, model: str, variant: str, b: Budget, work: Path,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[Run]) -> dict[str, Any]:
+def summarize(runs: list[Run], split: str = "test") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for v in VARIANTS:
-        rs = [r for r in runs if r.variant == v and r.split == "test"]
+        rs = [r for r in runs if r.variant == v and r.split == split]
         if not rs:
             continue
         finals = [r.final for r in rs if r.final is not None]
@@ -197,19 +226,21 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
                   "initial_mean": statistics.mean(inits) if inits else None,
                   "lift_points": (100 * (statistics.mean(finals) - statistics.mean(inits))
                                   if finals and inits else None),
-                  "seconds_mean": statistics.mean(r.seconds for r in rs)}
+                  "seconds_mean": statistics.mean(r.seconds for r in rs),
+                  "device_seconds_mean": statistics.mean(r.device_seconds or 0.0 for r in rs)}
     return out
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'variant':10} {'v0 acc':>7} {'final':>7} {'sd':>6} {'lift pt':>8} "
-             f"{'zo/infer':>8} {'mask+lat B':>11}"]
+    lines = [f"{'variant':15} {'v0 acc':>7} {'final':>7} {'sd':>6} {'lift pt':>8} "
+             f"{'zo/infer':>8} {'mask+lat B':>11} {'device s':>9}"]
     for v, s in result["summary"].items():
         mem = result["memory"].get(v, {})
-        lines.append(f"{v:10} {s['initial_mean'] or 0:7.4f} {s['final_mean'] or 0:7.4f} "
+        lines.append(f"{v:15} {s['initial_mean'] or 0:7.4f} {s['final_mean'] or 0:7.4f} "
                      f"{s['final_sd']:6.4f} {s['lift_points'] or 0:8.2f} "
                      f"{mem.get('zo_over_infer', float('nan')):8.3f} "
-                     f"{mem.get('mask_plus_latent_bytes', 0):11,}")
+                     f"{mem.get('mask_plus_latent_bytes', 0):11,} "
+                     f"{s.get('device_seconds_mean') or 0:9.0f}")
     return "\n".join(lines)
 
 
@@ -227,7 +258,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.errorbar(i, s["final_mean"], yerr=s["final_sd"], fmt="o", color="black", capsize=4)
         ax.hlines(s["initial_mean"], i - 0.3, i + 0.3, color="tab:red", linestyle="--")
     ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("held-out accuracy (test)")
+    ax.set_ylabel(f"held-out accuracy ({result.get('split', 'test')})")
     ax.set_title(f"Federated TerMeZO, {result['data']} (red: version 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -246,7 +277,12 @@ def main() -> None:
     ap.add_argument("--perturbations", type=int, default=Budget.perturbations)
     ap.add_argument("--eval-size", type=int, default=Budget.eval_size)
     ap.add_argument("--lr", type=float, default=Budget.lr)
+    ap.add_argument("--head-lr", type=float, default=Budget.head_lr)
+    ap.add_argument("--head-perturbations", type=int, default=Budget.head_perturbations)
+    ap.add_argument("--epoch-rounds", type=int, default=Budget.epoch_rounds)
     ap.add_argument("--fraction", type=float, default=Budget.fraction)
+    ap.add_argument("--split", choices=("test", "validation"), default="test",
+                    help="score the held-out test split, or the validation split (tuning)")
     ap.add_argument("--tune", action="store_true", help="choose fraction and lr on validation")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="no runs: memory, then --merge")
@@ -259,11 +295,13 @@ def main() -> None:
     torch.set_num_threads(1)
     b = Budget(rounds=a.rounds, devices=a.devices, per_round=a.per_round,
                perturbations=a.perturbations, eval_size=a.eval_size, lr=a.lr,
-               fraction=a.fraction)
+               fraction=a.fraction, head_lr=a.head_lr, head_perturbations=a.head_perturbations,
+               epoch_rounds=a.epoch_rounds)
     seeds = [int(s) for s in a.seeds.split(",")]
     variants = [v for v in a.variants.split(",") if v]
     result: dict[str, Any] = {"data": Path(a.data).name if a.data != "builtin" else "builtin",
                               "model": a.model, "budget": b.__dict__, "runs": [],
+                              "split": a.split,
                               "memory": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def save() -> None:
@@ -293,10 +331,11 @@ def main() -> None:
             result.setdefault("merged", []).append(path.name)
         for seed in ([] if a.memory_only else seeds):
             for v in variants:
-                r = one_run(a.data, a.model, v, seed, b, work / f"{v}-{seed}", **chosen)
+                r = one_run(a.data, a.model, v, seed, b, work / f"{v}-{seed}",
+                            validation=a.split == "validation", **chosen)
                 runs.append(r)
                 result["runs"].append(r.__dict__)
-                result["summary"] = summarize(runs)
+                result["summary"] = summarize(runs, a.split)
                 save()
                 print(f"{v} seed {seed}: {r.initial} -> {r.final} ({r.seconds:.0f} s)",
                       flush=True)
@@ -304,7 +343,7 @@ def main() -> None:
             for v in variants:
                 result["memory"][v] = memory(a.data, a.model, v, b, work / f"mem-{v}", **chosen)
                 save()
-    result["summary"] = summarize(runs)
+    result["summary"] = summarize(runs, a.split)
     save()
     print(table(result))
     plot(result, a.json.with_suffix(".png"))

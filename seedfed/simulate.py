@@ -82,6 +82,8 @@ class SimulationConfig:
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
     #: overrides of the scope's options (e.g. a ternary mask's selection, fraction); None: none
     scope_options: dict[str, Any] | None = None
+    #: (substring, c_t) step scales (`TaskSpec.step_scales`); None: the recipe's
+    step_scales: tuple[tuple[str, float], ...] | None = None
     personal: str = "residual"  # each device's personal part (client.personal); "off": none
     label_skew: float = 0.0  # > 0: label-skewed split of a file (DeviceData.label_skew)
     #: where encoded sentence features are kept (seedfed.features.store_root): "auto" (the
@@ -183,6 +185,8 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
         hyper = replace(hyper, lr=Hyper().lr, eps=Hyper().eps, decay_rounds=None)
     if config.scope_options:
         options = options_for(scope, {**options.to_dict(), **config.scope_options})
+    if config.step_scales is not None:
+        step_scales = tuple((str(p), float(c)) for p, c in config.step_scales)
     given = {"lr": config.lr, "eps": config.eps, "batch_size": config.batch_size,
              "steps": config.steps, "perturbations": config.perturbations}
     hyper = replace(hyper, **{k: v for k, v in given.items() if v is not None})
@@ -388,7 +392,8 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
 
 def _new_report(config: SimulationConfig, spec: TaskSpec, task_id: str,
                 scope_numel: int) -> Report:
-    per_device = spec.hyper.steps * spec.hyper.perturbations
+    steps, perturbations = spec.largest_plan()  # alternate epochs: the larger of the two
+    per_device = steps * perturbations
     k = config.devices_per_round or config.devices
     return Report(config={k_: str(v) if isinstance(v, Path) else v
                           for k_, v in asdict(config).items()},

@@ -15,7 +15,8 @@ options of `kind`, refusing unknown names. The scope kinds and their option clas
     named          NamedOptions     patterns
     scales         ScalesOptions    floor, include, group_size, bits, layers
     ternary        TernaryOptions   the mask (selection, fraction, epoch_rounds, seed,
-                                    refresh_gamma) and act_bits
+                                    refresh_gamma), the float head (train_head, alternate,
+                                    head_lr, head_perturbations, head_steps) and act_bits
 
 A scope added with `seedfed.shared.scopes.register_scope(kind, options=MyOptions)` registers
 its class here too.
@@ -166,6 +167,9 @@ class MaskConfig:
     #: A classifier task's float head (`classifier.weight`, `.bias`) trains too; it is
     #: otherwise frozen at the prototypes of the label texts (and still carried in snapshots).
     train_head: bool = False
+    #: With train_head: even mask epochs train the head alone (no latent masked), odd epochs
+    #: the masked latents alone, so no seed perturbs both (see `TernaryOptions.alternate`).
+    alternate: bool = False
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -178,6 +182,9 @@ class MaskConfig:
             raise ValueError(f"mask seed must be a uint64, got {self.seed}")
         if self.selection == "none" and not self.train_head:
             raise ValueError("mask selection 'none' trains no latent: it needs train_head")
+        if self.alternate and (not self.train_head or self.selection == "none"):
+            raise ValueError("alternate epochs switch between the head and the latents: they "
+                             "need train_head and a selection other than 'none'")
 
     def epoch_of(self, round_index: int) -> int:
         """The mask epoch a round belongs to (rounds counted from 0). The coordinator counts
@@ -189,6 +196,18 @@ class MaskConfig:
 
     def starts_epoch(self, round_index: int) -> bool:
         return round_index % self.epoch_rounds == 0
+
+    def head_epoch(self, epoch: int) -> bool:
+        """Whether mask epoch `epoch` trains the float head alone (`alternate`, even epochs)."""
+        return self.alternate and epoch % 2 == 0
+
+    def trains_head(self, epoch: int) -> bool:
+        """Whether the float head is in the scope during mask epoch `epoch`."""
+        return self.train_head and (not self.alternate or epoch % 2 == 0)
+
+    def trains_latents(self, epoch: int) -> bool:
+        """Whether any latent is masked (trains) during mask epoch `epoch`."""
+        return self.selection != "none" and not self.head_epoch(epoch)
 
 
 @dataclass(frozen=True)
@@ -209,6 +228,20 @@ class TernaryOptions(ScopeOptions):
         "recompute every gamma = mean |W| at each mask epoch (BitNet semantics)"))
     train_head: bool = field(default=False, metadata=_help(
         "seq_cls tasks: also train the float classification head with the masked latents"))
+    alternate: bool = field(default=False, metadata=_help(
+        "with train_head: even mask epochs train the float head alone, odd epochs the masked "
+        "latents alone, so no seed perturbs both (a head direction moves the loss far more "
+        "than a latent's, and would decide every scalar); a head epoch's probes share the "
+        "frozen encoder's forward, so they are cheap"))
+    head_lr: float | None = field(default=None, metadata=_help(
+        "with alternate: the lr the head epochs' rounds plan (the task's lr schedule applied "
+        "to it as to the task's lr); None: the task's lr"))
+    head_perturbations: int | None = field(default=None, metadata=_help(
+        "with alternate: seeds per step in the head epochs' rounds (cheap probes afford "
+        "many more); None: the task's"))
+    head_steps: int | None = field(default=None, metadata=_help(
+        "with alternate: local steps per round in the head epochs (each a new batch: one "
+        "encoder forward, then the head's cheap probes); None: the task's"))
     act_bits: int | None = field(default=8, metadata=_help(
         "activation quantization bits of the BitLinear layers (None: float activations)"))
 
@@ -217,6 +250,20 @@ class TernaryOptions(ScopeOptions):
             self.mask  # noqa: B018  (MaskConfig validates the mask fields)
         except ValueError as e:
             raise ScopeOptionsError(f"scope 'ternary': {e}") from e
+        if (self.head_lr, self.head_perturbations, self.head_steps) != (None,) * 3 and \
+                not self.alternate:
+            raise ScopeOptionsError("scope 'ternary': head_lr, head_perturbations and "
+                                    "head_steps apply to alternate epochs only")
+        if self.head_lr is not None and not (isinstance(self.head_lr, int | float)
+                                             and math.isfinite(self.head_lr)
+                                             and self.head_lr > 0):
+            raise ScopeOptionsError(f"scope 'ternary': head_lr must be positive and finite, "
+                                    f"got {self.head_lr}")
+        for name in ("head_perturbations", "head_steps"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ScopeOptionsError(f"scope 'ternary': {name} must be an integer >= 1, "
+                                        f"got {v}")
         if self.act_bits is not None and not (isinstance(self.act_bits, int)
                                               and self.act_bits >= 2):
             raise ScopeOptionsError(f"scope 'ternary': act_bits must be None or an integer "

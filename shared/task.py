@@ -9,11 +9,11 @@ heads and adapters once, deterministically); devices load the base and then that
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, NamedTuple
 
 from .aggregate import AggregationConfig
-from .scope_options import ScopeOptions, options_for
+from .scope_options import ScopeOptions, TernaryOptions, options_for
 
 #: Version of the TaskSpec JSON layout. 1: before `spec_version` existed (options an untyped
 #: object); 2: typed scope options (the same JSON object, validated per scope kind); 3: per-tensor
@@ -105,6 +105,14 @@ class Hyper:
         return final + (self.lr - final) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
+class RoundHyper(NamedTuple):
+    """What a round's plan carries beyond its seeds' values (`TaskSpec.round_hyper`)."""
+
+    lr: float
+    steps: int
+    perturbations: int
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """A task definition. `scope_options` holds the typed options of `scope`
@@ -156,6 +164,30 @@ class TaskSpec:
             raise ValueError("scope 'ternary': train_head applies to seq_cls tasks only")
         # A ternary seq_cls task: the coordinator sets the prototype head on the ternary
         # forward and every snapshot carries it (`shared.ternary.build_packed_model`).
+
+    def round_hyper(self, number: int, version: int) -> RoundHyper:
+        """(lr, steps, seeds per step) of the plan of round `number`, opened at `version`.
+
+        `Hyper.lr_of_round`, `steps` and `perturbations`, except in the head epochs of a
+        ternary task with alternate epochs: there `head_lr` (on the same schedule),
+        `head_steps` and `head_perturbations` where the options set them. Computed by the
+        coordinator only: the plan carries all three (its lr, its steps x perturbations seed
+        matrix), so devices, uploads and replay read them from there."""
+        h, opts = self.hyper, self.scope_options
+        if isinstance(opts, TernaryOptions) and opts.mask.head_epoch(opts.mask.epoch_of(version)):
+            head = replace(h, lr=h.lr if opts.head_lr is None else opts.head_lr)
+            return RoundHyper(head.lr_of_round(number), opts.head_steps or h.steps,
+                              opts.head_perturbations or h.perturbations)
+        return RoundHyper(h.lr_of_round(number), h.steps, h.perturbations)
+
+    def largest_plan(self) -> tuple[int, int]:
+        """(steps, perturbations): the largest seed matrix any round of the task plans (what
+        upload and body limits must admit)."""
+        h, opts = self.hyper, self.scope_options
+        if isinstance(opts, TernaryOptions) and opts.alternate:
+            return (max(h.steps, opts.head_steps or 0),
+                    max(h.perturbations, opts.head_perturbations or 0))
+        return h.steps, h.perturbations
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the spec (scope options: only the fields off their default)."""

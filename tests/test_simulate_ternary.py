@@ -2,9 +2,10 @@
 --run DIR --version V` on what it stored.
 
 A tiny sentence-transformers BERT, 3 devices, 6 rounds (mask epochs every 5 versions, so the
-devices cross one epoch start and load the published snapshot there), the ternary recipe
-otherwise. The devices hold the packed model; their final checksums must be the
-coordinator's, and the version scores the CLI reads back must be the ones the run reported.
+devices cross one epoch start, from the recipe's head epoch to its latent epoch, and load the
+published snapshot there), the ternary recipe otherwise. The devices hold the packed model;
+their final checksums must be the coordinator's, and the version scores the CLI reads back
+must be the ones the run reported.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_the_run_trains_a_ternary_classifier_with_packed_devices(run_dir: Path) 
     # the epoch start at v5 ships every device the snapshot, as joining did in round 1 (inside
     # an epoch a device replays, unless its catch-up rates make a snapshot cheaper)
     down = [r["download_bytes"] for r in report["rounds"]]
-    assert down[4] > 3 * min(down[1:4]) and down[4] > 0.5 * down[0]
+    inside = min(down[1:4])  # log entries only (the recipe's head epochs: 256 seeds a step)
+    assert down[4] - inside > 0.5 * (down[0] - inside), down
 
 
 def test_evaluate_scores_version_zero_and_the_last_version_as_the_run_did(run_dir: Path) -> None:

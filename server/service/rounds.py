@@ -123,10 +123,11 @@ def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
         spec = spec_of(task)
         h = spec.hyper
         number = 1 if last is None else last.number + 1
+        r = spec.round_hyper(number, task.current_version)  # a head epoch's own lr, shape
         now = utcnow()
         plan = RoundPlan(task_id=task_id, round=number, version=task.current_version,
-                         seeds=draw_seeds(task.secret, number, h.steps, h.perturbations),
-                         lr=h.lr_of_round(number), eps=h.eps, batch_size=h.batch_size,
+                         seeds=draw_seeds(task.secret, number, r.steps, r.perturbations),
+                         lr=r.lr, eps=h.eps, batch_size=h.batch_size,
                          clip=plan_clip(spec.scope, h.clip),  # QZO's DDC: C=100 for scales
                          one_sided=h.one_sided, scope=spec.scope,
                          deadline=now + timedelta(seconds=task.round_timeout_s),

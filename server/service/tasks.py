@@ -62,18 +62,15 @@ def largest_upload_bytes(steps: int, perturbations: int) -> int:
 
 def check_plan_fits(spec: TaskSpec, max_body_bytes: int) -> None:
     """Refuse a task whose uploads could never pass the body limit (or the wire's MAX_DIM)."""
-    h = spec.hyper
-    if h.steps > MAX_DIM or h.perturbations > MAX_DIM:
-        raise InvalidTaskError(f"steps ({h.steps}) and perturbations ({h.perturbations}) must "
-                               f"each be at most {MAX_DIM}")
-    if 4 * h.steps * h.perturbations > max_body_bytes:
-        need = 4 * h.steps * h.perturbations
-    else:
-        need = largest_upload_bytes(h.steps, h.perturbations)
+    steps, p = spec.largest_plan()
+    if steps > MAX_DIM or p > MAX_DIM:
+        raise InvalidTaskError(f"steps ({steps}) and perturbations ({p}) must each be at most "
+                               f"{MAX_DIM}")
+    need = 4 * steps * p if 4 * steps * p > max_body_bytes else largest_upload_bytes(steps, p)
     if need > max_body_bytes:
-        raise InvalidTaskError(f"an upload for {h.steps} x {h.perturbations} scalars takes up to "
-                               f"{need} bytes, above the coordinator's body limit of "
-                               f"{max_body_bytes} (max_body_bytes): no device could upload")
+        raise InvalidTaskError(f"an upload for {steps} x {p} scalars takes up to {need} bytes, "
+                               f"above the coordinator's body limit of {max_body_bytes} "
+                               "(max_body_bytes): no device could upload")
 
 
 def get_version(session: Session, *, task_id: str, version: int) -> VersionRow:

@@ -216,7 +216,7 @@ def load_published_ternary(model: nn.Module, tensors: Mapping[str, torch.Tensor]
                                      f"{tensors[name].dtype}, the model needs "
                                      f"{tuple(p.shape)} float32")
     state = published_state(tensors, layers)
-    if config.train_head:
+    if config.trains_head(epoch):
         state.update({name: tensors[name].reshape(-1) for name in heads})
     if expected_checksum is not None:
         got = state_checksum(state)

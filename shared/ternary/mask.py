@@ -7,9 +7,10 @@ quantizer's geometry): no gradients, no data. Ties at the cut are broken by the 
 index, so the mask is a function of the bits of the latents.
 
 `random` draws the same number of elements uniformly (a baseline); `full` trains every latent
-(full-latent MeZO). Masks are chosen by the coordinator, which holds the full latents, at the
-start of each mask epoch (every `epoch_rounds` rounds) and shipped to devices as sorted int32
-flat indices.
+(full-latent MeZO); `none` trains no latent (the float head alone), and so does every head
+epoch of a task with `alternate` epochs. Masks are chosen by the coordinator, which holds the
+full latents, at the start of each mask epoch (every `epoch_rounds` rounds) and shipped to
+devices as sorted int32 flat indices.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def choose_mask(config: MaskConfig, w: torch.Tensor, gamma: torch.Tensor, name: 
     """The mask `config` selects for latent matrix `w` (None: every element trains)."""
     if config.selection == "full":
         return None
-    if config.selection == "none":  # the float head alone trains (train_head)
+    if not config.trains_latents(epoch):  # the float head alone trains (train_head)
         return torch.empty(0, dtype=torch.int32)
     if config.selection == "random":
         return random_mask(w.numel(), config.fraction, config.seed, name, epoch)

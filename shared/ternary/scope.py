@@ -20,14 +20,15 @@ gammas, masks and epoch, since the masked values alone cannot rebuild a later ep
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import MissingTensorError, ScopeError
+from ..npzo import step_scale_of, unmatched_step_scales
 from ..scope_options import TernaryOptions
 from ..scopes import Scope, ScopedTensor, register_epochs, register_scope
 from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
@@ -85,9 +86,27 @@ class TernaryScope(Scope):
         return out
 
     def _float_tensors(self) -> list[ScopedTensor]:
-        """The scope's tensors that are no BitLinear's latents (a trained float head)."""
-        layers = {name for name, _ in bitlinear_modules(self.model)}
-        return [t for t in self if t.name.rpartition(".")[0] not in layers]
+        """The trained float head (`train_head`), whether or not this epoch perturbs it: with
+        alternate epochs a latent epoch leaves it out of z, and the master state still needs
+        the values the head epochs gave it."""
+        if not self.config.train_head:
+            return []
+        return [ScopedTensor(n, p) for n, p in head_parameters(self.model)]
+
+    def set_step_scales(self, pairs: Sequence[tuple[str, float]]) -> None:
+        """As `Scope.set_step_scales`, checked against every tensor the task trains in some
+        epoch (with alternate epochs the head's scale names no tensor of a latent epoch)."""
+        if self.config.alternate:
+            names = [t.name for t in self] + [n for n, _ in head_parameters(self.model)]
+            bad = unmatched_step_scales(tuple((str(p), float(c)) for p, c in pairs), names)
+            if bad:
+                raise ScopeError(f"step scale pattern {bad[0]!r} matches no tensor scope "
+                                 "'ternary' trains in any epoch")
+            self._step_scales = tuple((str(p), float(c)) for p, c in pairs)
+            self._tensors = [replace(t, step_scale=step_scale_of(t.name, self._step_scales))
+                             for t in self._tensors]
+            return
+        super().set_step_scales(pairs)
 
     def load_master_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore what `master_state` wrote: every part is checked before any layer changes.
@@ -126,7 +145,7 @@ class TernaryScope(Scope):
         self._rebind(epoch)
 
     def _rebind(self, epoch: int) -> None:
-        Scope.__init__(self, self.model, _scoped_tensors(self.model, self.config))
+        Scope.__init__(self, self.model, _scoped_tensors(self.model, self.config, epoch))
         self.epoch = epoch
 
     def device_bytes(self) -> dict[str, int]:
@@ -197,19 +216,20 @@ def head_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             for p_name, p in mod.named_parameters(recurse=False)]
 
 
-def _scoped_tensors(model: nn.Module, config: MaskConfig | None = None) -> list[ScopedTensor]:
+def _scoped_tensors(model: nn.Module, config: MaskConfig, epoch: int) -> list[ScopedTensor]:
     tensors = []
-    if config is not None and config.train_head:
+    if config.train_head:
         head = head_parameters(model)
         if not head:
             raise ScopeError(f"scope 'ternary': train_head, but {type(model).__name__} has no "
                              f"float classification head ({'/'.join(CLASS_HEADS)})")
-        tensors += [ScopedTensor(n, p) for n, p in head]
+        if config.trains_head(epoch):
+            tensors += [ScopedTensor(n, p) for n, p in head]
     layers = bitlinear_modules(model)
     for name, m in layers:
         canonical = f"{name}.weight"
         if m.mask is not None and m.mask.numel() == 0:
-            continue  # selection 'none': this layer's latents stay frozen
+            continue  # selection 'none' or a head epoch: this layer's latents stay frozen
         if m.latent is not None:
             tensors.append(ScopedTensor(canonical, m.latent, m.mask, compact=True))
         elif m.weight is not None:
@@ -221,7 +241,7 @@ def _scoped_tensors(model: nn.Module, config: MaskConfig | None = None) -> list[
 
 
 def _scope(model: nn.Module, config: MaskConfig, epoch: int) -> TernaryScope:
-    return TernaryScope(model, _scoped_tensors(model, config), config, epoch)
+    return TernaryScope(model, _scoped_tensors(model, config, epoch), config, epoch)
 
 
 @register_epochs("ternary")

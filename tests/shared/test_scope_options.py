@@ -102,7 +102,9 @@ def test_every_option_field_says_what_it_does() -> None:
     # Assert
     assert all(text for fields in helps.values() for text in fields.values())
     assert set(helps["TernaryOptions"]) == {"selection", "fraction", "epoch_rounds", "seed",
-                                            "refresh_gamma", "train_head", "act_bits"}
+                                            "refresh_gamma", "train_head", "alternate",
+                                            "head_lr", "head_perturbations", "head_steps",
+                                            "act_bits"}
 
 
 def test_ternary_selection_none_needs_the_head() -> None:
@@ -110,6 +112,32 @@ def test_ternary_selection_none_needs_the_head() -> None:
         TernaryOptions(selection="none")
 
     assert TernaryOptions(selection="none", train_head=True).mask.train_head
+
+
+@pytest.mark.parametrize(("options", "msg"), [
+    ({"alternate": True}, "need train_head"),
+    ({"alternate": True, "train_head": True, "selection": "none"}, "other than 'none'"),
+    ({"head_lr": 1.0, "train_head": True}, "apply to alternate epochs only"),
+    ({"alternate": True, "train_head": True, "head_lr": 0.0}, "head_lr must be positive"),
+    ({"alternate": True, "train_head": True, "head_perturbations": 0}, "integer >= 1"),
+    ({"alternate": True, "train_head": True, "head_steps": True}, "head_steps must be"),
+])
+def test_bad_alternate_options_are_refused(options: dict[str, object], msg: str) -> None:
+    with pytest.raises(ScopeOptionsError, match=msg):
+        TernaryOptions(**options)  # type: ignore[arg-type]
+
+
+def test_alternate_epochs_give_the_head_the_even_epochs_and_the_latents_the_odd() -> None:
+    # Arrange
+    mask = TernaryOptions(alternate=True, train_head=True).mask
+    plain = TernaryOptions(train_head=True).mask
+
+    # Act
+    kinds = [(mask.trains_head(e), mask.trains_latents(e)) for e in range(4)]
+
+    # Assert
+    assert kinds == [(True, False), (False, True)] * 2
+    assert all(plain.trains_head(e) and plain.trains_latents(e) for e in range(4))
 
 
 def test_a_newer_spec_version_is_refused() -> None:

@@ -92,3 +92,36 @@ def test_a_version_3_spec_reads_as_a_constant_lr_and_a_schedule_round_trips() ->
 
     assert upgraded.hyper.decay_rounds is None and upgraded.spec_version == 4
     assert TaskSpec.from_dict(scheduled.to_dict()) == scheduled
+
+
+def _alternate_spec(**options: object) -> TaskSpec:
+    return TaskSpec(model_path="/m", scope="ternary", format="ternary",
+                    scope_options={"train_head": True, "alternate": True, "epoch_rounds": 3,
+                                   **options},
+                    hyper=Hyper(lr=1e-3, perturbations=4, decay_rounds=10))
+
+
+def test_head_epochs_plan_the_head_lr_on_the_task_schedule_and_the_head_seeds() -> None:
+    # Arrange: versions 0-2 epoch 0 (head), 3-5 epoch 1 (latents), 6-8 epoch 2 (head)
+    spec = _alternate_spec(head_lr=32.0, head_perturbations=64, head_steps=3)
+    head = Hyper(lr=32.0, decay_rounds=10)
+
+    # Act
+    plans = [spec.round_hyper(n, n - 1) for n in range(1, 10)]
+
+    # Assert
+    assert [(r.steps, r.perturbations) for r in plans] == [(3, 64)] * 3 + [(10, 4)] * 3 + \
+        [(3, 64)] * 3
+    assert [r.lr for r in plans] == [head.lr_of_round(n) if n in (1, 2, 3, 7, 8, 9)
+                                     else spec.hyper.lr_of_round(n) for n in range(1, 10)]
+    assert spec.largest_plan() == (10, 64)
+
+
+def test_without_head_settings_every_round_plans_the_task_hyper() -> None:
+    # Arrange
+    spec, plain = _alternate_spec(), TaskSpec(model_path="/m", hyper=Hyper(perturbations=4))
+
+    # Act / Assert
+    assert spec.round_hyper(1, 0) == (spec.hyper.lr_of_round(1), 10, 4)
+    assert plain.round_hyper(5, 4) == (plain.hyper.lr, 10, 4)
+    assert plain.largest_plan() == (10, 4)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from seedfed.client.data import tokenize
 from seedfed.client.sync import read_snapshot
+from seedfed.shared.errors import ScopeError
 from seedfed.shared.models import MeanPoolClassifier, ModelBundle, build_model
 from seedfed.shared.replay import checksum
 from seedfed.shared.scope_options import MaskConfig, TernaryOptions
@@ -157,3 +158,46 @@ def test_selection_none_trains_the_head_alone(st_bert: Path) -> None:
     assert coord.scope.names == scope.names
     assert all(m.latent is not None and m.latent.numel() == 0
                for _, m in bitlinear_modules(model))
+
+
+def test_alternate_epochs_keep_the_trained_head_in_the_master_state_of_a_latent_epoch(
+        st_bert: Path) -> None:
+    # Arrange: epoch 0 trains the head alone, epoch 1 the latents alone
+    spec = ternary_cls_spec(st_bert, train_head=True, alternate=True)
+    before = build_model(spec, initialize=True)
+    assert isinstance(before.scope, TernaryScope) and isinstance(before.model, MeanPoolClassifier)
+    head_epoch = before.scope.names
+    with torch.no_grad():
+        before.model.classifier.weight.add_(0.5)  # as if the head epoch had trained it
+    before.scope.start_epoch(1)
+    state = {k: v.clone() for k, v in before.scope.master_state().items()}
+    after = build_model(spec, initialize=True)
+    assert isinstance(after.scope, TernaryScope) and isinstance(after.model, MeanPoolClassifier)
+
+    # Act
+    after.scope.load_master_state(state)
+
+    # Assert
+    assert head_epoch == ["classifier.bias", "classifier.weight"]
+    assert not any(n.startswith("classifier") for n in before.scope.names)
+    assert torch.equal(after.model.classifier.weight, before.model.classifier.weight)
+    assert after.scope.names == before.scope.names and after.scope.epoch == 1
+    assert checksum(after.scope) == checksum(before.scope)
+
+
+def test_a_step_scale_of_the_head_is_accepted_in_a_latent_epoch_and_a_typo_is_not(
+        st_bert: Path) -> None:
+    # Arrange
+    spec = ternary_cls_spec(st_bert, train_head=True, alternate=True)
+    bundle = build_model(spec, initialize=True)
+    assert isinstance(bundle.scope, TernaryScope)
+    bundle.scope.start_epoch(1)
+
+    # Act
+    bundle.scope.set_step_scales((("classifier.bias", 0.1),))
+    bundle.scope.start_epoch(2)
+
+    # Assert
+    assert {t.name: t.step_scale for t in bundle.scope}["classifier.bias"] == pytest.approx(0.1)
+    with pytest.raises(ScopeError, match="matches no tensor"):
+        bundle.scope.set_step_scales((("clasifier", 0.1),))
