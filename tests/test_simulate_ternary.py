@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from seedfed.client.recipes import ternary_recipe
+from seedfed.server.coordinator import Coordinator
+from seedfed.server.settings import Settings
 from seedfed.shared.task import TaskSpec
 from typer.testing import CliRunner
 
@@ -66,8 +68,16 @@ def test_the_run_trains_a_ternary_classifier_with_packed_devices(run_dir: Path) 
     # the epoch start at v5 ships every device the snapshot, as joining did in round 1 (inside
     # an epoch a device replays, unless its catch-up rates make a snapshot cheaper)
     down = [r["download_bytes"] for r in report["rounds"]]
-    inside = min(down[1:4])  # log entries only (the recipe's head epochs: 256 seeds a step)
-    assert down[4] - inside > 0.5 * (down[0] - inside), down
+    coord = Coordinator.open(Settings(database_url=f"sqlite:///{run_dir / 'coordinator.db'}",
+                                      store_dir=run_dir / "store"))
+    try:
+        snapshot_v5 = len(coord.snapshot(report["task_id"], 5, "ternary")[0])
+    finally:
+        coord.close()
+    # rounds 4 and 5 plan alike (head epoch, 512 seeds); round 5's sync is a snapshot per
+    # device instead of round 4's log entries (fewer bytes than the snapshots at this size)
+    assert down[4] - down[3] > 0.25 * DEVICES * snapshot_v5, (down, snapshot_v5)
+    assert down[5] < down[3] / 4, "v6 (a latent epoch) plans 4 seeds and replays"
 
 
 def test_evaluate_scores_version_zero_and_the_last_version_as_the_run_did(run_dir: Path) -> None:
