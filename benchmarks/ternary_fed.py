@@ -42,7 +42,7 @@ from typing import Any
 
 #: Scope options every variant sets (over the ternary recipe's), so a variant is only itself.
 PLAIN: dict[str, Any] = {"train_head": False, "alternate": False, "head_lr": None,
-                         "head_perturbations": None}
+                         "head_perturbations": None, "head_steps": None}
 #: variant -> scope option overrides
 VARIANTS: dict[str, dict[str, Any]] = {
     "threshold": {**PLAIN, "selection": "threshold"},
@@ -71,6 +71,7 @@ class Budget:
     lr: float = 3.3e-4  # latent variants (and the alternate variants' latent epochs)
     head_lr: float = 32.0  # the head's start lr (the SST-2 head recipe's)
     head_perturbations: int = 512  # seeds per step when the head alone trains
+    head_steps: int | None = None  # alternate variants: local steps in head epochs
     eps: float = 1e-3
     fraction: float = 0.05
     epoch_rounds: int = 5
@@ -119,7 +120,8 @@ def variant_settings(variant: str, b: Budget, **overrides: Any,
         return options, {"lr": b.head_lr, "perturbations": b.head_perturbations,
                          "step_scales": HEAD_STEP_SCALES}
     if options.get("alternate"):
-        options.update(head_lr=b.head_lr, head_perturbations=b.head_perturbations)
+        options.update(head_lr=b.head_lr, head_perturbations=b.head_perturbations,
+                       head_steps=b.head_steps)
         return options, {"lr": lr, "perturbations": b.perturbations,
                          "step_scales": HEAD_STEP_SCALES}
     return options, {"lr": lr, "perturbations": b.perturbations, "step_scales": ()}
@@ -279,6 +281,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=Budget.lr)
     ap.add_argument("--head-lr", type=float, default=Budget.head_lr)
     ap.add_argument("--head-perturbations", type=int, default=Budget.head_perturbations)
+    ap.add_argument("--head-steps", type=int, default=None)
     ap.add_argument("--epoch-rounds", type=int, default=Budget.epoch_rounds)
     ap.add_argument("--fraction", type=float, default=Budget.fraction)
     ap.add_argument("--split", choices=("test", "validation"), default="test",
@@ -296,7 +299,7 @@ def main() -> None:
     b = Budget(rounds=a.rounds, devices=a.devices, per_round=a.per_round,
                perturbations=a.perturbations, eval_size=a.eval_size, lr=a.lr,
                fraction=a.fraction, head_lr=a.head_lr, head_perturbations=a.head_perturbations,
-               epoch_rounds=a.epoch_rounds)
+               epoch_rounds=a.epoch_rounds, head_steps=a.head_steps)
     seeds = [int(s) for s in a.seeds.split(",")]
     variants = [v for v in a.variants.split(",") if v]
     result: dict[str, Any] = {"data": Path(a.data).name if a.data != "builtin" else "builtin",

@@ -75,9 +75,9 @@ Probe = npzo.Probe
 
 #: Extra activation memory a batched forward may use beyond one probe's (MB).
 DEFAULT_BUDGET_MB = DEFAULT_PROBE_MEMORY_MB
-#: Live activations of one copy, as a multiple of the largest module output it produces
-#: (a transformer block holds its input, the FFN's wide activation and temporaries; 4.5 is
-#: what MiniLM's top layer measured, RSS growth per stacked copy).
+#: Live activations of one copy, as a multiple of the largest module output it produces or
+#: kept output it repeats (a transformer block holds its input, the FFN's wide activation and
+#: temporaries; 4.5 is what MiniLM's top layer measured, RSS growth per stacked copy).
 ACTIVATION_FACTOR = 4.5
 
 
@@ -415,7 +415,10 @@ class ProbeEngine:
                 plan.owner_rows[key] = c.rows
             if not self._under(key, ok):
                 tail_max = max(tail_max, c.out_bytes)
-        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * tail_max))
+        # A batched forward repeats every kept output once per copy, and whatever runs on it
+        # outside a module (a classifier's pooling over an encoder's token states) is counted
+        # by no module's output: the larger of the two, times the live temporaries.
+        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * max(tail_max, plan.shared_bytes)))
         return plan
 
     def _under(self, key: int, kept: set[int]) -> bool:

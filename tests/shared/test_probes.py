@@ -227,6 +227,24 @@ def test_a_small_budget_lowers_copies_per_forward_and_says_so(caplog) -> None:  
     np.testing.assert_allclose(g, full, atol=G_TOL, rtol=1e-3)
 
 
+def test_a_head_on_an_uncached_encoder_counts_the_repeated_token_states_per_copy() -> None:
+    # Arrange: only the head trains, the encoder runs (no feature cache): each stacked copy
+    # repeats the encoder's token states, which the pooling then reads outside any module
+    model = _pooled_bert()
+    scope = build_scope("named", model, patterns=("classifier",))
+    batch, config = _cls_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    engine = ProbeEngine(model, scope, classification_loss, classification_losses)
+    states = 4 * batch["input_ids"].numel() * model.encoder.config.hidden_size  # float32
+
+    # Act
+    g = _engine(scope, engine, batch, config)
+
+    # Assert
+    assert engine.stats.per_copy_mb * 2**20 >= probes.ACTIVATION_FACTOR * states
+    np.testing.assert_allclose(g, _sequential(scope, model, batch, config, classification_loss),
+                               atol=G_TOL, rtol=1e-3)
+
+
 def test_max_copies_groups_the_probes() -> None:
     model, scope = _lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
