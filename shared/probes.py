@@ -401,12 +401,13 @@ class ProbeEngine:
 
         ok = {key for key, c in calls.items() if shareable(c)}
         plan = _Plan()
-        tail_max = 0
+        tail_max = kept_max = 0
         for key, c in calls.items():
             if key in ok:
                 if self._parent.get(key) not in ok:
                     plan.shared.append(c)
                     plan.shared_bytes += _nbytes(c.output)
+                    kept_max = max(kept_max, _nbytes(c.output))
                 else:
                     c.output = None  # inside a kept module: never called again this step
                 continue
@@ -415,10 +416,12 @@ class ProbeEngine:
                 plan.owner_rows[key] = c.rows
             if not self._under(key, ok):
                 tail_max = max(tail_max, c.out_bytes)
-        # A batched forward repeats every kept output once per copy, and whatever runs on it
-        # outside a module (a classifier's pooling over an encoder's token states) is counted
-        # by no module's output: the larger of the two, times the live temporaries.
-        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * max(tail_max, plan.shared_bytes)))
+        # A batched forward repeats each kept output once per copy as its consumer is called
+        # (a chain of kept layers frees each repeat when the next one is made), and whatever
+        # runs on a repeat outside a module (a classifier's pooling over an encoder's token
+        # states) is counted by no module's output: the largest of either, times the live
+        # temporaries.
+        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * max(tail_max, kept_max)))
         return plan
 
     def _under(self, key: int, kept: set[int]) -> bool:
