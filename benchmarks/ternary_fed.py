@@ -52,8 +52,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "threshold+head": {**PLAIN, "selection": "threshold", "train_head": True, "alternate": True},
     "random+head": {**PLAIN, "selection": "random", "train_head": True, "alternate": True},
 }
-#: The SST-2 head recipe's conditioning of the head (client/recipes.py: HEAD_STEP_SCALES).
-HEAD_STEP_SCALES = (("classifier.bias", 0.1),)
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,10 @@ def one_run(data: str, model: str, variant: str, seed: int, b: Budget, out: Path
 
 def variant_settings(variant: str, b: Budget, **overrides: Any,
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(scope options, SimulationConfig lr / perturbations / step_scales) of a variant."""
+    """(scope options, SimulationConfig lr / perturbations / step_scales) of a variant; a
+    trained head takes the SST-2 head recipe's conditioning (its bias step scale)."""
+    from seedfed.client.recipes import HEAD_STEP_SCALES
+
     options = {**VARIANTS[variant], "fraction": overrides.get("fraction", b.fraction),
                "epoch_rounds": overrides.get("epoch_rounds", b.epoch_rounds)}
     lr = overrides.get("lr", b.lr)

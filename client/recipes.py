@@ -161,7 +161,6 @@ TERNARY_OPTIONS = TernaryOptions(selection="threshold", fraction=0.05, epoch_rou
                                  head_perturbations=512)
 TERNARY_HYPER = Hyper(lr=3.3e-4, eps=1e-3, steps=1, perturbations=4, batch_size=8,
                       decay_rounds=40, lr_final_ratio=0.1)
-TERNARY_STEP_SCALES = HEAD_STEP_SCALES
 
 
 def ternary_recipe(model_path: str | None = None, sst2: bool = True) -> Recipe:
@@ -176,6 +175,6 @@ def ternary_recipe(model_path: str | None = None, sst2: bool = True) -> Recipe:
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=labels, scope="ternary",
                     scope_options=TERNARY_OPTIONS, hyper=TERNARY_HYPER,
-                    step_scales=TERNARY_STEP_SCALES, max_seq_len=64 if sst2 else 32,
+                    step_scales=HEAD_STEP_SCALES, max_seq_len=64 if sst2 else 32,
                     format="ternary")
     return Recipe(spec=spec, rounds=40, per_round=10, devices=10)

@@ -203,7 +203,7 @@ class MaskConfig:
 
     def trains_head(self, epoch: int) -> bool:
         """Whether the float head is in the scope during mask epoch `epoch`."""
-        return self.train_head and (not self.alternate or epoch % 2 == 0)
+        return self.train_head and (not self.alternate or self.head_epoch(epoch))
 
     def trains_latents(self, epoch: int) -> bool:
         """Whether any latent is masked (trains) during mask epoch `epoch`."""

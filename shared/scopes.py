@@ -120,14 +120,20 @@ class Scope:
         when none does): `TaskSpec.step_scales`. A pair that names no tensor of the scope is
         refused, so a typo cannot silently train at the wrong scale."""
         pairs = tuple((str(pattern), float(c)) for pattern, c in pairs)
-        bad = unmatched_step_scales(pairs, self.names)
+        names = self.step_scale_names()
+        bad = unmatched_step_scales(pairs, names)
         if bad:
             raise ScopeError(f"step scale pattern {bad[0]!r} matches no tensor of scope "
-                             f"{self.kind!r} (tensors: {', '.join(self.names[:6])}"
-                             f"{', ...' if len(self) > 6 else ''})")
+                             f"{self.kind!r} (tensors: {', '.join(names[:6])}"
+                             f"{', ...' if len(names) > 6 else ''})")
         self._step_scales = pairs
         self._tensors = [replace(t, step_scale=step_scale_of(t.name, pairs))
                          for t in self._tensors]
+
+    def step_scale_names(self) -> list[str]:
+        """The names a step scale pattern may match: this scope's tensors (a scope whose
+        tensors change between epochs names every tensor it trains in some epoch)."""
+        return self.names
 
     def __iter__(self) -> Iterator[ScopedTensor]:
         return iter(self._tensors)

@@ -79,10 +79,10 @@ def random_mask(numel: int, fraction: float, seed: int, name: str, epoch: int) -
 def choose_mask(config: MaskConfig, w: torch.Tensor, gamma: torch.Tensor, name: str,
                 epoch: int) -> torch.Tensor | None:
     """The mask `config` selects for latent matrix `w` (None: every element trains)."""
-    if config.selection == "full":
-        return None
     if not config.trains_latents(epoch):  # the float head alone trains (train_head)
         return torch.empty(0, dtype=torch.int32)
+    if config.selection == "full":
+        return None
     if config.selection == "random":
         return random_mask(w.numel(), config.fraction, config.seed, name, epoch)
     return threshold_mask(w, gamma, config.fraction)

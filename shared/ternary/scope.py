@@ -20,15 +20,14 @@ gammas, masks and epoch, since the masked values alone cannot rebuild a later ep
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import MissingTensorError, ScopeError
-from ..npzo import step_scale_of, unmatched_step_scales
 from ..scope_options import TernaryOptions
 from ..scopes import Scope, ScopedTensor, register_epochs, register_scope
 from .bitlinear import BitLinear, bitlinear_modules, convert_to_bitlinear
@@ -93,20 +92,10 @@ class TernaryScope(Scope):
             return []
         return [ScopedTensor(n, p) for n, p in head_parameters(self.model)]
 
-    def set_step_scales(self, pairs: Sequence[tuple[str, float]]) -> None:
-        """As `Scope.set_step_scales`, checked against every tensor the task trains in some
-        epoch (with alternate epochs the head's scale names no tensor of a latent epoch)."""
-        if self.config.alternate:
-            names = [t.name for t in self] + [n for n, _ in head_parameters(self.model)]
-            bad = unmatched_step_scales(tuple((str(p), float(c)) for p, c in pairs), names)
-            if bad:
-                raise ScopeError(f"step scale pattern {bad[0]!r} matches no tensor scope "
-                                 "'ternary' trains in any epoch")
-            self._step_scales = tuple((str(p), float(c)) for p, c in pairs)
-            self._tensors = [replace(t, step_scale=step_scale_of(t.name, self._step_scales))
-                             for t in self._tensors]
-            return
-        super().set_step_scales(pairs)
+    def step_scale_names(self) -> list[str]:
+        """This epoch's tensors and the trained head: with alternate epochs the head's step
+        scale names no tensor of a latent epoch, yet applies in the next head epoch."""
+        return sorted({*self.names, *(t.name for t in self._float_tensors())})
 
     def load_master_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore what `master_state` wrote: every part is checked before any layer changes.

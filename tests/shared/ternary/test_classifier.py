@@ -201,3 +201,14 @@ def test_a_step_scale_of_the_head_is_accepted_in_a_latent_epoch_and_a_typo_is_no
     assert {t.name: t.step_scale for t in bundle.scope}["classifier.bias"] == pytest.approx(0.1)
     with pytest.raises(ScopeError, match="matches no tensor"):
         bundle.scope.set_step_scales((("clasifier", 0.1),))
+
+
+def test_a_head_epoch_masks_no_latent_even_when_the_selection_is_full(st_bert: Path) -> None:
+    # Arrange
+    spec = ternary_cls_spec(st_bert, selection="full", train_head=True, alternate=True)
+
+    # Act
+    bundle = build_model(spec, initialize=True)
+
+    # Assert
+    assert bundle.scope.names == ["classifier.bias", "classifier.weight"]
