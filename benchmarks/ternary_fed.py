@@ -278,6 +278,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=Budget.devices)
     ap.add_argument("--per-round", type=int, default=Budget.per_round)
     ap.add_argument("--perturbations", type=int, default=Budget.perturbations)
+    ap.add_argument("--batch-size", type=int, default=Budget.batch_size)
     ap.add_argument("--eval-size", type=int, default=Budget.eval_size)
     ap.add_argument("--lr", type=float, default=Budget.lr)
     ap.add_argument("--head-lr", type=float, default=Budget.head_lr)
@@ -298,7 +299,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     b = Budget(rounds=a.rounds, devices=a.devices, per_round=a.per_round,
-               perturbations=a.perturbations, eval_size=a.eval_size, lr=a.lr,
+               perturbations=a.perturbations, batch_size=a.batch_size,
+               eval_size=a.eval_size, lr=a.lr,
                fraction=a.fraction, head_lr=a.head_lr, head_perturbations=a.head_perturbations,
                epoch_rounds=a.epoch_rounds, head_steps=a.head_steps)
     seeds = [int(s) for s in a.seeds.split(",")]
