@@ -56,9 +56,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Budget:
-    """The fleet and settings of every variant; the defaults are the ternary recipe's
-    (client/recipes.py: ternary_recipe), so the benchmark measures what `seedfed simulate
-    --format ternary` runs."""
+    """The fleet and settings of every variant. The fleet and the head's settings are the
+    ternary recipe's (client/recipes.py: ternary_recipe): the `head` variant at
+    `--batch-size 32` is what `seedfed simulate --format ternary` runs. The latent variants'
+    lr and seeds are the tenth session's TerMeZO recipe's; batch 8 by default, the batch the
+    ninth and tenth sessions' results were measured at."""
 
     rounds: int = 40
     devices: int = 10

@@ -5,14 +5,17 @@ wrong somewhere. Instead `estimate_duration` builds the task's model once, runs 
 local step of the task (every probe of the plan's seeds and the update, the device's own
 `LocalTrainer` with its probe batching) on a real batch of the data, times it, and scales
 that by the run: rounds x devices per round x local steps, divided by the devices that run at
-once, plus the held-out scoring. It is an estimate of device compute, not of transport or
-coordinator time (both small beside it for the recipes; docs/accuracy.md).
+once, plus the held-out scoring (a task whose plans differ by round, a ternary task's
+alternate mask epochs, times each kind of plan; a ternary task runs on the packed model its
+devices hold). It is an estimate of device compute, not of
+transport or coordinator time (both small beside it for the recipes; docs/accuracy.md).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -22,14 +25,17 @@ import torch
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.evaluate import accuracy
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.models import build_model
+from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.replay import checksum
+from seedfed.shared.scope_options import TernaryOptions
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import RoundPlan
 
 
 @dataclass(frozen=True)
 class DurationEstimate:
-    step_s: float  # one device's local step, measured (the faster of the timed steps)
+    step_s: float  # one device's local step, measured (the faster of the timed steps; the
+    #: mean over the run's plans where they differ)
     device_steps: int  # rounds x devices per round x local steps
     parallel: int  # devices computing at once
     eval_s: float  # all the held-out scoring of the run
@@ -44,42 +50,88 @@ class DurationEstimate:
                 f"/ {self.parallel} at once, + {self.eval_s:.0f} s of held-out scoring")
 
 
+def plan_kinds(spec: TaskSpec, rounds: int) -> list[tuple[int, int, int, int]]:
+    """The run's distinct plans, in the order they first open: (version it first opens at,
+    local steps, seeds per step, rounds that plan it). One for most tasks; a ternary task
+    with alternate mask epochs plans its head epochs and its latent epochs differently
+    (`TaskSpec.round_hyper`). Round r opens at version r - 1 (a round commits one version)."""
+    kinds: dict[tuple[bool, int, int], list[int]] = {}
+    opts = spec.scope_options
+    for number in range(1, rounds + 1):
+        version = number - 1
+        h = spec.round_hyper(number, version)
+        head = isinstance(opts, TernaryOptions) and opts.mask.head_epoch(
+            opts.mask.epoch_of(version))
+        kinds.setdefault((head, h.steps, h.perturbations), [version, 0])[1] += 1
+    return [(v, steps, p, n) for (_, steps, p), (v, n) in kinds.items()]
+
+
 def estimate_duration(spec: TaskSpec, train: Examples, held_out: Examples, *, rounds: int,
-                      per_round: int, parallel: int, evals: int, repeats: int = 2,
+                      per_round: int, parallel: int, evals: int, repeats: int = 3,
                       ) -> DurationEstimate:
-    """Time one local step of `spec` on a batch of `train` (`repeats` times; the first also
-    pays one-off costs such as a head's feature cache, so the fastest counts) and one scoring
-    of `held_out`, then scale them by the run."""
+    """Time one local step of each of the run's plans (`plan_kinds`) of `spec` on a batch of
+    `train` (`repeats` times; the first also pays one-off costs such as a head's feature
+    cache, so the fastest counts) and one scoring of `held_out`, then scale them by the run.
+    A ternary task is timed as its devices run it: on the packed model, loaded from the
+    snapshot the coordinator's model publishes at the plan's version, a new batch each step
+    (the median counts)."""
     if repeats < 1 or rounds < 1 or per_round < 1 or parallel < 1 or evals < 0:
         raise ValueError("repeats, rounds, per_round and parallel must be >= 1, evals >= 0")
-    bundle = build_model(spec, initialize=True)
+    coordinator = build_model(spec, initialize=True)
     h = spec.hyper
-    trainer = LocalTrainer(bundle.model, bundle.scope, classification_loss,
-                           max_copies=h.probe_copies, budget_mb=h.probe_memory_mb)
-    # One batch, repeated: a device caches what its scope leaves frozen (a head's features),
-    # so the steady-state step is the one after the first.
-    batch = next(train_batches(train, bundle.tokenizer, h.batch_size, spec.max_seq_len,
-                               np.random.default_rng(0)))
-    batches = itertools.repeat(batch)
-    plan = RoundPlan(task_id="estimate", round=0, version=0,
-                     seeds=[[1 + i for i in range(h.perturbations)]], lr=h.lr, eps=h.eps,
-                     batch_size=h.batch_size, clip=h.clip, one_sided=h.one_sided,
-                     scope=spec.scope)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            started = time.perf_counter()
-            trainer.run(plan, batches)
-            times.append(time.perf_counter() - started)
+    compute_s, device_steps = 0.0, 0
+    for version, steps, perturbations, count in plan_kinds(spec, rounds):
+        coordinator.scope.enter_version(version)  # a ternary task's mask epoch (else a no-op)
+        bundle, trainer = _device_at(spec, coordinator, version)
+        batches = train_batches(train, bundle.tokenizer, h.batch_size, spec.max_seq_len,
+                                np.random.default_rng(0))
+        # An fp32 device caches what its scope leaves frozen (a head's features) for its whole
+        # data set before its first step (a simulation's shared feature store), so the
+        # steady-state step is a repeat of one batch after the first; a packed ternary device
+        # encodes each batch's new sentences as they come, so it is timed on new batches.
+        fresh = spec.scope == "ternary"
+        if not fresh:
+            batches = itertools.repeat(next(batches))
+        plan = RoundPlan(task_id="estimate", round=0, version=version,
+                         seeds=[[1 + i for i in range(perturbations)]], lr=h.lr, eps=h.eps,
+                         batch_size=h.batch_size, clip=h.clip, one_sided=h.one_sided,
+                         scope=spec.scope)
+        times = []
+        with torch.no_grad():
+            for _ in range(repeats):
+                started = time.perf_counter()
+                trainer.run(plan, batches)
+                times.append(time.perf_counter() - started)
+        compute_s += (statistics.median(times) if fresh else min(times)) * count * per_round * steps
+        device_steps += count * per_round * steps
     eval_s = 0.0
     if evals and len(held_out):
         sample = held_out.subset(range(min(len(held_out), 64)))
         started = time.perf_counter()
         accuracy(bundle, sample)
         eval_s = (time.perf_counter() - started) * len(held_out) / len(sample) * evals
-    return DurationEstimate(step_s=min(times), device_steps=rounds * per_round * h.steps,
-                            parallel=max(1, min(parallel, per_round)),
-                            eval_s=eval_s)
+    return DurationEstimate(step_s=compute_s / device_steps, device_steps=device_steps,
+                            parallel=max(1, min(parallel, per_round)), eval_s=eval_s)
+
+
+def _device_at(spec: TaskSpec, coordinator: ModelBundle, version: int,
+               ) -> tuple[ModelBundle, LocalTrainer]:
+    """The model a device trains at `version` and its trainer: the coordinator's own model,
+    or for a ternary task a packed device loaded from the snapshot it publishes."""
+    if spec.scope != "ternary":
+        h = spec.hyper
+        return coordinator, LocalTrainer(coordinator.model, coordinator.scope,
+                                         classification_loss, max_copies=h.probe_copies,
+                                         budget_mb=h.probe_memory_mb)
+    from safetensors.torch import save
+
+    from seedfed.client.ternary import PackedTernary
+    from seedfed.shared.ternary import publish_ternary
+
+    device = PackedTernary(spec)
+    snapshot = publish_ternary(coordinator.scope.read(), coordinator.scope)
+    device.load_snapshot(save(snapshot), version, checksum(coordinator.scope))
+    return device.bundle, device.trainer
 
 
 def evaluations(rounds: int, eval_every: int) -> int:

@@ -565,14 +565,11 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def expected_duration(config: SimulationConfig) -> Any:
     """`seedfed.estimate.DurationEstimate` of the run, measured on this machine before it
-    starts (one device step of the task, scaled); None for a ternary task (its packed devices
-    train through another trainer, not estimated)."""
+    starts (one device step of each of the task's plans, scaled)."""
     from seedfed.estimate import estimate_duration, evaluations
 
     splits = _data_splits(config)
     spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
-    if spec.scope == "ternary":
-        return None
     held = splits.validation if config.eval_on_validation else splits.test
     per_round = min(config.devices_per_round or config.devices, config.devices)
     parallel = 1 if config.engine == "inprocess" else config.cpus
@@ -602,9 +599,7 @@ def run_with_progress(config: SimulationConfig) -> Report:
             progress.update(bar, completed=row.round, participants=str(row.participants),
                             loss=_fmt(row.loss, ".4f"), accuracy=_fmt(row.accuracy, ".4f"))
 
-        estimate = expected_duration(config)
-        if estimate is not None:
-            console.print(estimate.describe())
+        console.print(expected_duration(config).describe())
         report = run(config, on_round=on_round)
     console.print(summary_table(report))
     if report.devices:

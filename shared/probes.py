@@ -126,6 +126,7 @@ class _Call:
     rows: int | None = None  # dim 0 of the first tensor input (the batch, for most modules)
     output: Any = None
     out_bytes: int = 0
+    in_bytes: int = 0
     kept: bool = True  # output still held (False: never shareable, or covered by a parent)
 
 
@@ -362,6 +363,7 @@ class ProbeEngine:
                 call.rows = _first_rows(args, kwargs)
             call.count += 1
             call.tainted_input = call.tainted_input or taint.any_tainted((args, kwargs))
+            call.in_bytes = max(call.in_bytes, _nbytes((args, kwargs)))
 
         def post(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
             call = calls[id(module)]
@@ -392,9 +394,9 @@ class ProbeEngine:
             log.warning("no tensor of the %s scope influences the loss: every scalar will be 0",
                         self.scope.kind)
             self._warned_reach = True
-        return float(loss), self._plan(calls)
+        return float(loss), self._plan(calls, _nbytes(dict(batch)))
 
-    def _plan(self, calls: dict[int, _Call]) -> _Plan:
+    def _plan(self, calls: dict[int, _Call], batch_bytes: int) -> _Plan:
         def shareable(c: _Call) -> bool:
             return (c.count == 1 and c.kept and not c.tainted_input
                     and id(c.module) not in self._holds_scope and c.module is not self.model)
@@ -415,13 +417,16 @@ class ProbeEngine:
             if key in self._owned and c.rows is not None:
                 plan.owner_rows[key] = c.rows
             if not self._under(key, ok):
-                tail_max = max(tail_max, c.out_bytes)
+                tail_max = max(tail_max, c.out_bytes, c.in_bytes)
         # A batched forward repeats each kept output once per copy as its consumer is called
         # (a chain of kept layers frees each repeat when the next one is made), and whatever
         # runs on a repeat outside a module (a classifier's pooling over an encoder's token
         # states) is counted by no module's output: the largest of either, times the live
-        # temporaries.
-        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * max(tail_max, kept_max)))
+        # temporaries; and a module that runs on every copy holds its input, which outweighs
+        # its output where a wide row narrows (a head over cached sentence embeddings). Every
+        # copy's batch rows (`repeat_batch`) live through the forward too.
+        plan.per_copy_bytes = max(1, int(ACTIVATION_FACTOR * max(tail_max, kept_max))
+                                  + batch_bytes)
         return plan
 
     def _under(self, key: int, kept: set[int]) -> bool:

@@ -1,46 +1,76 @@
 """`seedfed simulate --format ternary` end to end (in-process grid), then `seedfed evaluate
---run DIR --version V` on what it stored.
+--run DIR --version V` on what it stored; and the TerMeZO variant the recipe replaced
+(alternate mask epochs) through the same round code.
 
-A tiny sentence-transformers BERT, 3 devices, 6 rounds (mask epochs every 5 versions, so the
-devices cross one epoch start, from the recipe's head epoch to its latent epoch, and load the
-published snapshot there), the ternary recipe otherwise. The devices hold the packed model;
-their final checksums must be the coordinator's, and the version scores the CLI reads back
-must be the ones the run reported.
+A tiny sentence-transformers BERT, 3 devices, 6 rounds. The recipe's run trains the float head
+on the packed ternary encoder: the devices hold the packed model, their final checksums must be
+the coordinator's, the encoder must stay the base, and the version scores the CLI reads back
+must be the ones the run reported. The alternate run crosses one mask epoch start (epochs of 5
+versions: v5 starts the first latent epoch), where every device loads the published snapshot.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from seedfed.client.recipes import ternary_recipe
+from safetensors.torch import load as load_safetensors
+from seedfed.client.recipes import TERNARY_HYPER, ternary_recipe
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
 from seedfed.shared.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app
-from seedfed.simulate import recipe_fleet
+from seedfed.simulate import SimulationConfig, recipe_fleet, run
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 DEVICES, ROUNDS, EVAL = 3, 6, 40
+#: the TerMeZO variant: even epochs the head alone at the recipe's lr and seeds, odd epochs
+#: the threshold mask's latents at 2 seeds a step
+ALTERNATE: dict[str, Any] = {"selection": "threshold", "fraction": 0.05, "epoch_rounds": 5,
+                             "alternate": True, "head_lr": TERNARY_HYPER.lr,
+                             "head_perturbations": TERNARY_HYPER.perturbations}
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sim-ternary")
-    model = make_tiny_sentence_bert(root / "model")
-    data = write_sentiment_tsv(root / "data.tsv", n=400)
-    out = root / "run"
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sim-ternary-inputs")
+    return (make_tiny_sentence_bert(root / "model"),
+            write_sentiment_tsv(root / "data.tsv", n=400))
+
+
+@pytest.fixture(scope="module")
+def run_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, data = inputs
+    out = tmp_path_factory.mktemp("sim-ternary") / "run"
     result = CliRunner().invoke(app, [
         "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--model", str(model),
         "--data", str(data), "--format", "ternary", "--engine", "inprocess", "--personal", "off",
-        "--eval-size", str(EVAL), "--perturbations", "2", "--out", str(out)])
+        "--eval-size", str(EVAL), "--perturbations", "8", "--out", str(out)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    (out / "cli.txt").write_text(result.output)
     return out
+
+
+@pytest.fixture(scope="module")
+def alternate_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, data = inputs
+    out = tmp_path_factory.mktemp("sim-ternary-alternate") / "run"
+    run(SimulationConfig(out=out, devices=DEVICES, rounds=ROUNDS, model=str(model),
+                         data=str(data), format="ternary", engine="inprocess", personal="off",
+                         eval_size=EVAL, lr=3.3e-4, perturbations=2, batch_size=8,
+                         scope_options=ALTERNATE))
+    return out
+
+
+def _open(run_dir: Path) -> Coordinator:
+    return Coordinator.open(Settings(database_url=f"sqlite:///{run_dir / 'coordinator.db'}",
+                                     store_dir=run_dir / "store"))
 
 
 def _score(run_dir: Path, *args: str) -> float:
@@ -57,27 +87,40 @@ def test_without_rounds_the_ternary_recipe_sets_rounds_and_devices_per_round() -
     assert recipe_fleet("train.tsv", None, "fp32") == (30, None)
 
 
-def test_the_run_trains_a_ternary_classifier_with_packed_devices(run_dir: Path) -> None:
+def test_the_recipe_trains_the_head_of_a_ternary_classifier_on_packed_devices(
+        run_dir: Path) -> None:
     report = json.loads((run_dir / "report.json").read_text())
     spec = TaskSpec.from_dict(json.loads((run_dir / "task.json").read_text()))
+    coord = _open(run_dir)
+    try:
+        first, last = (load_safetensors(coord.snapshot(report["task_id"], v, "ternary")[0])
+                       for v in (0, ROUNDS))
+    finally:
+        coord.close()
 
     assert spec.scope == "ternary" and spec.model_kind == "seq_cls"
+    assert "expected duration" in (run_dir / "cli.txt").read_text()
     assert [r["version"] for r in report["rounds"]] == list(range(1, ROUNDS + 1))
-    # every device replayed (or loaded) its way to the coordinator's final state, bit for bit
+    # every device replayed its way to the coordinator's final state, bit for bit
     assert set(report["device_checksums"].values()) == {report["final_checksum"]}
-    # the epoch start at v5 ships every device the snapshot, as joining did in round 1 (inside
-    # an epoch a device replays, unless its catch-up rates make a snapshot cheaper)
+    moved = {k for k in first if not first[k].equal(last[k])}
+    assert moved and all("classifier" in k for k in moved), moved  # the encoder is the base's
+
+
+def test_alternate_mask_epochs_ship_the_epoch_start_snapshot(alternate_dir: Path) -> None:
+    report = json.loads((alternate_dir / "report.json").read_text())
     down = [r["download_bytes"] for r in report["rounds"]]
-    coord = Coordinator.open(Settings(database_url=f"sqlite:///{run_dir / 'coordinator.db'}",
-                                      store_dir=run_dir / "store"))
+    coord = _open(alternate_dir)
     try:
         snapshot_v5 = len(coord.snapshot(report["task_id"], 5, "ternary")[0])
     finally:
         coord.close()
-    # rounds 4 and 5 plan alike (head epoch, 512 seeds); round 5's sync is a snapshot per
-    # device instead of round 4's log entries (fewer bytes than the snapshots at this size)
+
+    assert set(report["device_checksums"].values()) == {report["final_checksum"]}
+    # rounds 4 and 5 plan alike (head epoch, the recipe's seeds); round 5's sync is a snapshot
+    # per device instead of round 4's log entries (fewer bytes than the snapshots at this size)
     assert down[4] - down[3] > 0.25 * DEVICES * snapshot_v5, (down, snapshot_v5)
-    assert down[5] < down[3] / 4, "v6 (a latent epoch) plans 4 seeds and replays"
+    assert down[5] < down[3] / 4, "v6 (a latent epoch) plans 2 seeds and replays"
 
 
 def test_evaluate_scores_version_zero_and_the_last_version_as_the_run_did(run_dir: Path) -> None:

@@ -181,8 +181,8 @@ def test_top_output_projection_shares_everything_below_its_input() -> None:
     recorded = []
     original = engine._plan
 
-    def spy(calls):  # noqa: ANN001, ANN202
-        plan = original(calls)
+    def spy(calls, batch_bytes):  # noqa: ANN001, ANN202
+        plan = original(calls, batch_bytes)
         recorded.extend(names[id(c.module)] for c in plan.shared)
         return plan
 
