@@ -5,10 +5,10 @@ wrong somewhere. Instead `estimate_duration` builds the task's model once, runs 
 local step of the task (every probe of the plan's seeds and the update, the device's own
 `LocalTrainer` with its probe batching) on a real batch of the data, times it, and scales
 that by the run: rounds x devices per round x local steps, divided by the devices that run at
-once, plus the held-out scoring (a task whose plans differ by round, a ternary task's
-alternate mask epochs, times each kind of plan; a ternary task runs on the packed model its
-devices hold). It is an estimate of device compute, not of
-transport or coordinator time (both small beside it for the recipes; docs/accuracy.md).
+once, plus the held-out scoring. A task whose plans differ by round (a ternary task's
+alternate mask epochs) is timed per kind of plan; a ternary task runs on the packed model its
+devices hold. It is an estimate of device compute, not of transport or coordinator time (both
+small beside it for the recipes; docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from seedfed.shared.wire import RoundPlan
 
 @dataclass(frozen=True)
 class DurationEstimate:
-    step_s: float  # one device's local step, measured (the faster of the timed steps; the
-    #: mean over the run's plans where they differ)
+    #: one device's local step, measured (the faster of the timed steps; where the run's plans
+    #: differ, the mean over its steps)
+    step_s: float
     device_steps: int  # rounds x devices per round x local steps
     parallel: int  # devices computing at once
     eval_s: float  # all the held-out scoring of the run
