@@ -227,7 +227,8 @@ def simulate(
     eval_every: int = typer.Option(None, "--eval-every", min=1, help="score the held-out "
                                    "split every N rounds and the last (default: 10)"),
     sync_every: int = typer.Option(None, "--sync-every", min=1, help="run the devices' sync "
-                                   "phase every N rounds and the last (default: 1)"),
+                                   "phase (catch up, checksum, local scores) every N rounds and "
+                                   "the last (default: with the scoring, --eval-every)"),
     engine: str = typer.Option("flower", "--engine", help="flower (Flower's Simulation "
                                "Engine, a Ray actor per CPU) or inprocess (the same rounds and "
                                "messages delivered in this process: fastest for small models)"),

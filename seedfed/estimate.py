@@ -17,6 +17,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,8 +47,9 @@ class DurationEstimate:
         return self.step_s * self.device_steps / self.parallel + self.eval_s
 
     def describe(self) -> str:
+        step = f"{self.step_s:.2f} s" if self.step_s >= 0.1 else f"{self.step_s * 1e3:.1f} ms"
         return (f"expected duration ~{self.seconds / 60:.1f} min of device compute: one device "
-                f"step measured at {self.step_s:.2f} s x {self.device_steps:,} device steps "
+                f"step measured at {step} x {self.device_steps:,} device steps "
                 f"/ {self.parallel} at once, + {self.eval_s:.0f} s of held-out scoring")
 
 
@@ -107,12 +109,19 @@ def estimate_duration(spec: TaskSpec, train: Examples, held_out: Examples, *, ro
         device_steps += count * per_round * steps
     eval_s = 0.0
     if evals and len(held_out):
+        # timed twice: the first scoring also encodes the sample where the model caches its
+        # frozen part (a head's features), later ones only run what the versions change
         sample = held_out.subset(range(min(len(held_out), 64)))
-        started = time.perf_counter()
-        accuracy(bundle, sample)
-        eval_s = (time.perf_counter() - started) * len(held_out) / len(sample) * evals
+        first, repeat = (_timed(accuracy, bundle, sample) for _ in range(2))
+        eval_s = (first + repeat * (evals - 1)) * len(held_out) / len(sample)
     return DurationEstimate(step_s=compute_s / device_steps, device_steps=device_steps,
                             parallel=max(1, min(parallel, per_round)), eval_s=eval_s)
+
+
+def _timed(fn: Callable[..., object], *args: object) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
 
 
 def _device_at(spec: TaskSpec, coordinator: ModelBundle, version: int,

@@ -35,7 +35,7 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,46 +165,77 @@ class SharedFeatures:
         self._space(namespace).write(rows)
 
 
-def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: int) -> int:
+def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: int,
+            progress: Callable[[int, int], None] | None = None) -> int:
     """Encode every device's data (its training and local held-out examples, `data` with each
     partition id) into `store` before the first round, in `workers` processes; returns the
     rows encoded. Without it the first round pays for the whole encoding inside the devices'
     first messages, which on a loaded machine passed the 600 s round timeout (devices then
-    miss round 1). A no-op for a model without a feature cache."""
+    miss round 1). `progress(done, devices)` is called as partitions finish. A no-op for a
+    model without a feature cache."""
     from dataclasses import replace
 
-    parts = [list(range(w, devices, workers)) for w in range(max(1, min(workers, devices)))]
-    jobs = [(str(store.root), spec.to_dict(), replace(data, partition_id=0), p) for p in parts]
-    if len(jobs) == 1:
-        return _prefill_part(*jobs[0])
+    base = replace(data, partition_id=0)
+    workers = max(1, min(workers, devices))
+    done = 0
+    if workers == 1:
+        _open_worker(str(store.root), spec.to_dict())
+        encoded = 0
+        for p in range(devices):
+            encoded += _encode_partition(base, p)
+            done += 1
+            if progress is not None:
+                progress(done, devices)
+        return encoded
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as ex:
-        return sum(ex.map(_prefill_part, *zip(*jobs, strict=True)))
+    # one model per worker process (its initializer), one job per partition, so the bar moves
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_open_worker,
+                             initargs=(str(store.root), spec.to_dict())) as ex:
+        encoded = 0
+        for job in as_completed([ex.submit(_encode_partition, base, p)
+                                 for p in range(devices)]):
+            encoded += job.result()
+            done += 1
+            if progress is not None:
+                progress(done, devices)
+        return encoded
 
 
-def _prefill_part(root: str, spec_dict: dict[str, Any], data: Any,
-                  partitions: list[int]) -> int:
-    """One worker of `prefill`: its partitions' examples, encoded on one thread."""
-    from dataclasses import replace
+#: A `prefill` worker's model (None: the model caches nothing), built once per process.
+_WORKER: dict[str, Any] = {}
 
-    from seedfed.client.device_data import load_device_examples
-    from seedfed.shared.models import build_model, expect_texts, pooled_classifier, share_features
+
+def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
+    from seedfed.shared.models import build_model, pooled_classifier, share_features
     from seedfed.shared.task import TaskSpec
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the canonical context encodes on one thread anyway
     spec = TaskSpec.from_dict(spec_dict)
     bundle = build_model(spec, initialize=False)
     inner = pooled_classifier(bundle.model)
     if inner is None or inner.frozen_prefix == 0:
-        return 0
+        _WORKER.update(bundle=None)
+        return
     share_features(bundle.model, SharedFeatures(Path(root)))
-    encoded = 0
-    for p in partitions:
-        train, held = load_device_examples(replace(data, partition_id=p))
-        texts = list(train.texts) + list(held.texts)
-        expect_texts(bundle.model, bundle.tokenizer, texts, spec.max_seq_len)
-        encoded += inner.warm()
-        inner.clear_cache()  # the store holds them; a worker's memory stays one partition's
+    _WORKER.update(bundle=bundle, inner=inner, max_len=spec.max_seq_len)
+
+
+def _encode_partition(data: Any, partition: int) -> int:
+    """One partition's examples, encoded into the store by this worker's model."""
+    from dataclasses import replace
+
+    from seedfed.client.device_data import load_device_examples
+    from seedfed.shared.models import expect_texts
+
+    bundle = _WORKER["bundle"]
+    if bundle is None:
+        return 0
+    train, held = load_device_examples(replace(data, partition_id=partition))
+    texts = list(train.texts) + list(held.texts)
+    expect_texts(bundle.model, bundle.tokenizer, texts, _WORKER["max_len"])
+    encoded = int(_WORKER["inner"].warm())
+    _WORKER["inner"].clear_cache()  # the store holds them; a worker's memory stays one partition's
     return encoded

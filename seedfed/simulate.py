@@ -42,6 +42,10 @@ TASTES = "tastes"
 #: Built-in sources whose recipe and label texts are the preference task's.
 PREFERENCE_SOURCES: tuple[str, ...] = (DEFAULT_DATA, TASTES)
 ENGINES: tuple[str, ...] = ("flower", "inprocess")
+#: Seconds the Simulation Engine's grid sleeps between polls for the devices' replies. Flower's
+#: default (0.1 s) suits real fleets; a simulated phase whose devices answer in milliseconds
+#: would wait on it for most of the phase (docs/performance.md, thirteenth session).
+PULL_INTERVAL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,13 @@ class SimulationConfig:
     engine: str = "flower"  # "flower" (Simulation Engine) or "inprocess" (seedfed.inprocess)
     pool: int = 0  # > 0: the fleet shares this many training examples (DeviceData.pool)
     eval_every: int = 10  # score the held-out split every this many rounds (and the last)
-    # run the devices' sync phase (catch up, score the local held-out set) every this many
-    # rounds and the last; in between a device replays the entry it missed with its next
-    # plan, to the same bits (the feature cache's rows do not depend on when a sentence was
-    # first encoded: shared.models.FEATURE_GROUP)
-    sync_every: int = 1
+    # run the devices' sync phase (catch up, verify the checksum, score the local held-out
+    # set) every this many rounds and the last; None: with the scoring (`eval_every`), the
+    # rounds whose report row has accuracies. In between a device replays the entry it
+    # missed with its next plan, to the same bits (the feature cache's rows do not depend on
+    # when a sentence was first encoded: shared.models.FEATURE_GROUP), so the final checksum
+    # is the same for any value; a phase costs a round trip to every device
+    sync_every: int | None = None
     eval_on_validation: bool = False  # score the validation split (tuning) instead of test
     format: str | None = None  # published format (fp32, int8, int4, ...); None: the recipe's
     #: overrides of the scope's options (e.g. a ternary mask's selection, fraction); None: none
@@ -324,8 +330,10 @@ def simulation_secret(seed: int, training_run: int = 0) -> str:
 
 
 def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
-        ) -> Report:
-    """Run the whole simulation; returns the report (also written to the run directory)."""
+        on_prefill: Callable[[int, int], None] | None = None) -> Report:
+    """Run the whole simulation; returns the report (also written to the run directory).
+    `on_round(row, rounds)` after every round; `on_prefill(done, devices)` as the devices'
+    sentences are encoded into the feature store before round 1."""
     _quiet_transformers()
     from seedfed.device_times import DEVICE_TIMES, DeviceTimes
     from seedfed.features import SharedFeatures, store_root
@@ -355,7 +363,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         report = _new_report(config, spec, task_id, int(status.scope_numel))
         fleet = FleetConfig.from_status(status, min_devices=config.devices,
                                         sync_after_round=config.sync_after_round,
-                                        sync_every=config.sync_every,
+                                        sync_every=config.sync_every or config.eval_every,
                                         final_round=config.rounds, sample_seed=config.seed)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
         features = SharedFeatures(store_root(config.feature_cache, out))
@@ -369,7 +377,7 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
             prefill(features, spec, DeviceData(
                 source=config.data, alpha=config.alpha, seed=config.seed,
                 num_partitions=config.devices, pool=config.pool,
-                label_skew=config.label_skew), config.devices, config.cpus)
+                label_skew=config.label_skew), config.devices, config.cpus, on_prefill)
         with _quiet_flower():
             _drive(config, strategy, evaluate_fn, features)
         final = coordinator.task_status(task_id)
@@ -482,6 +490,8 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer,
 
     @server_app.main()
     def _main(grid: Grid, context: Any) -> None:
+        if hasattr(grid, "pull_interval"):  # the Simulation Engine's InMemoryGrid
+            grid.pull_interval = PULL_INTERVAL_S
         strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
                        timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
 
@@ -586,21 +596,31 @@ def run_with_progress(config: SimulationConfig) -> Report:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console()
-    columns = [TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(),
+    columns = [TextColumn("[bold]{task.description} {task.completed}/{task.total}"), BarColumn(),
                TextColumn("devices {task.fields[participants]}"),
                TextColumn("loss {task.fields[loss]}"),
                TextColumn("accuracy [bold green]{task.fields[accuracy]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("simulate", total=config.rounds, participants="-", loss="-",
+        bar = progress.add_task("round", total=config.rounds, participants="-", loss="-",
                                 accuracy="-")
+
+        encoding: list[Any] = []
+
+        def on_prefill(done: int, devices: int) -> None:
+            if not encoding:  # shown while the fleet's sentences are encoded (a cold cache)
+                encoding.append(progress.add_task("encoding devices' sentences", total=devices,
+                                                  participants="-", loss="-", accuracy="-"))
+            progress.update(encoding[0], completed=done)
+            if done == devices:
+                progress.remove_task(encoding[0])
 
         def on_round(row: RoundRow, total: int) -> None:
             progress.update(bar, completed=row.round, participants=str(row.participants),
                             loss=_fmt(row.loss, ".4f"), accuracy=_fmt(row.accuracy, ".4f"))
 
         console.print(expected_duration(config).describe())
-        report = run(config, on_round=on_round)
+        report = run(config, on_round=on_round, on_prefill=on_prefill)
     console.print(summary_table(report))
     if report.devices:
         from seedfed.personal_report import devices_table

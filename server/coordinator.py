@@ -16,6 +16,7 @@ reached); the HTTP app runs `tick()` on a timer. Errors are the typed errors of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
 
 from seedfed.shared.task import TaskSpec
@@ -95,6 +96,13 @@ class Coordinator:
             wire_bytes = len(pack_binary(upload.matrix()))
         return service.submit_upload(self.rt, task_id=task_id, round_number=upload.round,
                                      device_id=device_id, upload=upload, wire_bytes=wire_bytes)
+
+    def submit_many(self, task_id: str, uploads: Sequence[tuple[str, Upload, int | None]],
+                    ) -> list[UploadReceipt | Exception]:
+        """Accept a round's uploads, (device id, upload, wire bytes) each, in one transaction;
+        per upload its receipt or the typed error that refused it (never raised)."""
+        return service.submit_uploads(self.rt, task_id=task_id, uploads=[
+            (d, u, len(pack_binary(u.matrix())) if w is None else w) for d, u, w in uploads])
 
     def close_round(self, task_id: str) -> LogEntryWire:
         return service.close_round(self.rt, task_id=task_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import httpx
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.errors import SeedfedError
 from seedfed.shared.messages import CatchupPlan, TaskStatus
 from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
@@ -64,10 +66,23 @@ class RestCoordinator:
         return device_id, token
 
     def submit(self, task_id: str, device_id: str, upload: Upload,
-               wire_bytes: int | None = None) -> None:
-        """Forward a device's upload in the binary form (the coordinator counts its body)."""
-        self.api.upload(task_id, upload.round, upload.version, upload.matrix(),
+               wire_bytes: int | None = None) -> int:
+        """Forward a device's upload in the binary form (the coordinator counts its body);
+        returns the body's bytes."""
+        return self.api.upload(task_id, upload.round, upload.version, upload.matrix(),
                         upload.num_examples, upload.loss, token=self._tokens[device_id])
+
+    def submit_many(self, task_id: str, uploads: Sequence[tuple[str, Upload, int | None]],
+                    ) -> list[int | Exception]:
+        """Forward a round's uploads one request each; per upload its body's bytes, or the
+        error that refused it."""
+        out: list[int | Exception] = []
+        for device_id, upload, wire_bytes in uploads:
+            try:
+                out.append(self.submit(task_id, device_id, upload, wire_bytes))
+            except (SeedfedError, KeyError, TypeError, ValueError) as e:
+                out.append(e)
+        return out
 
     def record_metrics(self, task_id: str, device_id: str, round_number: int,
                        metrics: DeviceMetrics) -> None:

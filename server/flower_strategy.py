@@ -20,7 +20,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,6 +44,8 @@ class CoordinatorPort(Protocol):
     def enroll(self, task_id: str) -> tuple[str, str]: ...
     def submit(self, task_id: str, device_id: str, upload: Upload,
                wire_bytes: int | None = None) -> object: ...
+    def submit_many(self, task_id: str, uploads: Sequence[tuple[str, Upload, int | None]],
+                    ) -> Sequence[object | Exception]: ...
     def close_round(self, task_id: str) -> LogEntryWire: ...
     def record_metrics(self, task_id: str, device_id: str, round_number: int,
                        metrics: DeviceMetrics) -> object: ...
@@ -230,6 +232,7 @@ class SeedfedStrategy(Strategy):
         plan, record = self._plan, self.history[-1]
         assert plan is not None
         losses: list[tuple[float, int]] = []
+        readable: list[tuple[int, Message, Upload, int]] = []  # node, reply, upload, bytes
         for reply in replies:
             node_id = reply.metadata.src_node_id
             node = self._node(node_id)
@@ -238,15 +241,23 @@ class SeedfedStrategy(Strategy):
                 record.failures.append(f"device {node_id}: {reply.error.reason}")
                 continue
             try:
-                upload = self._upload(plan, reply)
-                self.coordinator.submit(self.task_id, node.device_id, upload,
-                                        payload_bytes(reply.content))
+                readable.append((node_id, reply, self._upload(plan, reply),
+                                 payload_bytes(reply.content)))
             except (SeedfedError, KeyError, TypeError, ValueError) as e:
                 record.failures.append(f"device {node_id}: {type(e).__name__}: {e}")
+        # the round's uploads in one call (one transaction in process): a refusal is that
+        # device's failure, never its neighbours'
+        outcomes = self.coordinator.submit_many(self.task_id, [
+            (self._nodes[n].device_id, upload, size) for n, _, upload, size in readable])
+        for (node_id, reply, upload, size), outcome in zip(readable, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                record.failures.append(f"device {node_id}: {type(outcome).__name__}: "
+                                       f"{outcome}")
                 continue
-            node.version = plan.version  # it trained at the plan's version and returned to it
+            # it trained at the plan's version and returned to it
+            self._nodes[node_id].version = plan.version
             record.participants += 1
-            record.upload_bytes += payload_bytes(reply.content)
+            record.upload_bytes += size
             record.upload_message_bytes += message_bytes(reply)
             losses.append((upload.loss, upload.num_examples))
         for failure in record.failures:

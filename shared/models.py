@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +101,24 @@ def sentence_pooling(path: Path) -> PoolingConfig | None:
     return PoolingConfig(mean=True, normalize="Normalize" in types)
 
 
+class SentenceEmbedding(nn.Module):
+    """A classifier's sentence embedding (`MeanPoolClassifier.embed`) as a module call of its
+    own, holding nothing: the encoder stays its classifier's child (state dict, scopes and
+    checksums unchanged). The probe engine shares module outputs, and pooling is not a
+    module; with this call, a head scope's probes share the pooled embedding of the batch
+    (each stacked copy repeats [batch, hidden] rows) instead of re-deriving it per copy from
+    the cache, or pooling repeated token states where nothing is cached (a packed ternary
+    device). A scope inside the encoder taints the embedding, which is then never shared."""
+
+    def __init__(self, embed: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embed(input_ids, attention_mask, token_type_ids)
+
+
 class MeanPoolClassifier(nn.Module):
     """encoder -> masked mean of token states -> optional L2 normalization -> Linear head.
 
@@ -126,6 +144,7 @@ class MeanPoolClassifier(nn.Module):
         self.config = encoder.config
         self.normalize = normalize
         self.classifier = nn.Linear(int(encoder.config.hidden_size), num_labels)
+        self.sentence_embedding = SentenceEmbedding(self.embed)
         self.frozen_prefix = 0
         self.cache_limit_bytes = FEATURE_CACHE_BYTES
         self.feature_store: FeatureStore | None = None
@@ -165,8 +184,8 @@ class MeanPoolClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, **_: Any) -> SequenceClassifierOutput:
-        return SequenceClassifierOutput(
-            logits=self.classifier(self.embed(input_ids, attention_mask, token_type_ids)))
+        return SequenceClassifierOutput(logits=self.classifier(
+            self.sentence_embedding(input_ids, attention_mask, token_type_ids)))
 
     def expect(self, rows: Iterable[tuple[Sequence[int] | np.ndarray,
                                           Sequence[int] | np.ndarray | None]]) -> None:

@@ -128,6 +128,10 @@ class _Call:
     out_bytes: int = 0
     in_bytes: int = 0
     kept: bool = True  # output still held (False: never shareable, or covered by a parent)
+    #: the module whose call this one first ran inside (None: called by the caller). Usually
+    #: its parent in the module tree; a module may also call one it does not own (a
+    #: classifier's sentence-embedding module runs the encoder beside it).
+    caller: int | None = None
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -353,7 +357,8 @@ class ProbeEngine:
             return self.loss_on_batch(self.model, batch)
 
     def _record(self, batch: Batch, probe: Probe) -> tuple[float, _Plan]:
-        calls: dict[int, _Call] = {}
+        calls: dict[int, _Call] = {}  # in the order modules were first called
+        running: list[tuple[int, int]] = []  # (module, calls made before it) of open calls
         taint = _Taint([t.tensor for t in self.scope])
 
         def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -361,23 +366,28 @@ class ProbeEngine:
             if call is None:
                 call = calls[id(module)] = _Call(module)
                 call.rows = _first_rows(args, kwargs)
+                call.caller = running[-1][0] if running else None
+            running.append((id(module), len(calls)))
             call.count += 1
             call.tainted_input = call.tainted_input or taint.any_tainted((args, kwargs))
             call.in_bytes = max(call.in_bytes, _nbytes((args, kwargs)))
 
         def post(module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            _, before = running.pop()
             call = calls[id(module)]
             call.out_bytes = max(call.out_bytes, _nbytes(output))
-            if call.count > 1 or call.tainted_input or id(module) in self._holds_scope:
+            # an output that depends on the scope is never shared, whatever the module tree
+            # says (a module can read tensors it does not own)
+            if call.count > 1 or call.tainted_input or id(module) in self._holds_scope \
+                    or taint.any_tainted(output):
                 call.output, call.kept = None, False  # never shared: keep nothing alive
                 return
             call.output = output
-            # Only the outermost shareable module's output is needed: dropping what it covers
-            # keeps the recording at the memory of one forward, not of every activation.
-            for sub in module.modules():
-                inner = calls.get(id(sub))
-                if inner is not None and sub is not module:
-                    inner.output, inner.kept = None, False
+            # Only the outermost shareable module's output is needed: dropping what ran
+            # inside it (first called during this call) keeps the recording at the memory of
+            # one forward, not of every activation.
+            for inner in list(calls.values())[before:]:
+                inner.output, inner.kept = None, False
 
         handles = []
         for module in self.model.modules():
@@ -406,7 +416,7 @@ class ProbeEngine:
         tail_max = kept_max = 0
         for key, c in calls.items():
             if key in ok:
-                if self._parent.get(key) not in ok:
+                if self._caller(calls, key) not in ok:
                     plan.shared.append(c)
                     plan.shared_bytes += _nbytes(c.output)
                     kept_max = max(kept_max, _nbytes(c.output))
@@ -416,7 +426,7 @@ class ProbeEngine:
             c.output = None
             if key in self._owned and c.rows is not None:
                 plan.owner_rows[key] = c.rows
-            if not self._under(key, ok):
+            if not self._under(calls, key, ok):
                 tail_max = max(tail_max, c.out_bytes, c.in_bytes)
         # A batched forward repeats each kept output once per copy as its consumer is called
         # (a chain of kept layers frees each repeat when the next one is made), and whatever
@@ -429,9 +439,13 @@ class ProbeEngine:
                                   + batch_bytes)
         return plan
 
-    def _under(self, key: int, kept: set[int]) -> bool:
-        while key in self._parent:
-            key = self._parent[key]
+    def _caller(self, calls: dict[int, _Call], key: int) -> int | None:
+        """The module a recorded call ran inside (its tree parent if it never ran)."""
+        return calls[key].caller if key in calls else self._parent.get(key)
+
+    def _under(self, calls: dict[int, _Call], key: int, kept: set[int]) -> bool:
+        while (key_ := self._caller(calls, key)) is not None:
+            key = key_
             if key in kept:
                 return True
         return False

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from seedfed.client.device_data import DeviceData, load_device_examples
 
-from seedfed.estimate import estimate_duration, plan_kinds
+from seedfed.estimate import DurationEstimate, estimate_duration, plan_kinds
 from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write_sentiment_tsv
 
 
@@ -43,3 +43,25 @@ def test_a_ternary_estimate_times_both_kinds_of_plan(tmp_path: Path) -> None:
     assert estimate.step_s > 0 and estimate.eval_s > 0
     assert estimate.seconds == pytest.approx(estimate.step_s * estimate.device_steps
                                              + estimate.eval_s)
+
+
+def test_scoring_counts_the_first_encoding_once(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_tiny_sentence_bert(tmp_path / "m")
+    data = load_device_examples(DeviceData(source=str(write_sentiment_tsv(
+        tmp_path / "d.tsv", n=60))))[0]
+    spec = ternary_cls_spec(model, epoch_rounds=5, selection="none", train_head=True)
+    timings = iter([1.0, 0.25])  # the first scoring of the sample, then a repeat
+    monkeypatch.setattr("seedfed.estimate._timed", lambda *_: next(timings))
+
+    estimate = estimate_duration(spec, data, data, rounds=2, per_round=1, parallel=1, evals=5,
+                                 repeats=1)
+
+    scale = len(data) / min(len(data), 64)
+    assert estimate.eval_s == pytest.approx((1.0 + 4 * 0.25) * scale)
+
+
+def test_a_fast_step_is_described_in_milliseconds() -> None:
+    text = DurationEstimate(step_s=0.0042, device_steps=6000, parallel=2, eval_s=3.0).describe()
+
+    assert "4.2 ms x 6,000 device steps / 2 at once" in text

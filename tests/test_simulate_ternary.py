@@ -64,7 +64,7 @@ def alternate_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     run(SimulationConfig(out=out, devices=DEVICES, rounds=ROUNDS, model=str(model),
                          data=str(data), format="ternary", engine="inprocess", personal="off",
                          eval_size=EVAL, lr=3.3e-4, perturbations=2, batch_size=8,
-                         scope_options=ALTERNATE))
+                         scope_options=ALTERNATE, sync_every=1))  # every round's sync bytes
     return out
 
 

@@ -41,6 +41,7 @@ from .uploads import (
     parse_binary_upload,
     parse_json_upload,
     submit_upload,
+    submit_uploads,
     write_uploads,
 )
 
@@ -51,6 +52,6 @@ __all__ = [
     "list_tasks", "load_master", "log_since", "metrics_text", "open_plan", "open_round",
     "open_snapshot", "parse_binary_upload", "parse_json_upload", "prune_versions", "readiness",
     "record_device_metrics", "recover", "revoke_device", "round_metrics", "serve_log",
-    "serve_snapshot", "snapshot_bytes", "snapshot_info", "submit_upload", "task_spec",
-    "task_stats", "task_status", "tick", "write_uploads",
+    "serve_snapshot", "snapshot_bytes", "snapshot_info", "submit_upload", "submit_uploads",
+    "task_spec", "task_stats", "task_status", "tick", "write_uploads",
 ]

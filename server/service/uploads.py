@@ -299,6 +299,33 @@ def submit_upload(rt: Runtime, *, task_id: str, round_number: int, device_id: st
     return result
 
 
+def submit_uploads(rt: Runtime, *, task_id: str,
+                   uploads: list[tuple[str, Upload, int]]) -> list[Outcome]:
+    """Validate and store a round's uploads, (device id, upload, wire bytes) each, in one
+    transaction (the in-process path of a fleet engine that collects a round's replies
+    first); one outcome per upload, in order: its receipt or the typed error refusing it."""
+    out: list[Outcome | None] = []
+    pending: list[tuple[int, PendingUpload]] = []
+    for device_id, upload, wire_bytes in uploads:
+        try:
+            p = check_upload(rt, task_id=task_id, round_number=upload.round,
+                             device_id=device_id, upload=upload, wire_bytes=wire_bytes)
+        except Exception as e:
+            rt.metrics.uploads.labels("rejected").inc()
+            out.append(e)
+            continue
+        if isinstance(p, UploadReceipt):
+            out.append(p)
+        else:
+            pending.append((len(out), p))
+            out.append(None)
+    if pending:
+        for (i, _), result in zip(pending, write_uploads(rt, [p for _, p in pending]),
+                                  strict=True):
+            out[i] = result
+    return [o for o in out if o is not None]
+
+
 class UploadWriter:
     """A writer thread that commits queued uploads in batches (group commit).
 

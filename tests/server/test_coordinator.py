@@ -130,3 +130,27 @@ def test_a_malformed_task_secret_is_refused(coord: Coordinator, tiny_bert: Path,
 
     with pytest.raises(InvalidTaskError, match="secret"):
         coord.create_task(tiny_spec(tiny_bert), secret=secret)
+
+
+def test_submit_many_stores_a_rounds_uploads_and_refuses_each_bad_one_alone(
+        coord: Coordinator, tiny_bert: Path) -> None:
+    task_id = coord.create_task(tiny_spec(tiny_bert))
+    honest, twice, stale, revoked = (coord.enroll(task_id)[0] for _ in range(4))
+    plan = coord.open_round(task_id)
+    shape = (plan.steps, plan.perturbations)
+    coord.submit(task_id, twice, Upload.build(plan, np.full(shape, 1.0), 4, 0.1))
+    coord.revoke(task_id, revoked)
+    old = Upload.build(plan, np.full(shape, 3.0), 4, 0.1).model_copy(
+        update={"version": plan.version + 1})
+
+    outcomes = coord.submit_many(task_id, [
+        (honest, Upload.build(plan, np.full(shape, 2.0), 4, 0.1), None),
+        (twice, Upload.build(plan, np.full(shape, 5.0), 4, 0.1), None),  # a different second
+        (stale, old, None),
+        (revoked, Upload.build(plan, np.full(shape, 4.0), 4, 0.1), None),
+    ])
+
+    assert isinstance(outcomes[0], UploadReceipt) and outcomes[0].device_id == honest
+    assert [type(o).__name__ for o in outcomes[1:]] == [
+        "DuplicateUploadError", "StaleVersionError", "InvalidUploadError"]
+    assert coord.task_status(task_id).devices_seen == 2  # the honest one and the first

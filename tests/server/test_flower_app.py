@@ -90,6 +90,24 @@ def test_strategy_over_rest_trains_and_every_device_matches(task: dict) -> None:
         [sum(a for a, _, _ in r.device_accuracy.values()) / 2 for r in strategy.history])
 
 
+@pytest.mark.parametrize("transport", ["in-process", "rest"])
+def test_a_refused_upload_fails_its_device_alone(task: dict, transport: str) -> None:
+    coord = task["coord"]
+    with TestClient(create_app(runtime=coord.rt)) as client:
+        port = coord if transport == "in-process" else RestCoordinator(
+            "http://testserver", ADMIN, task["join"], client=client)
+        strategy = SeedfedStrategy(port, task["task"], FleetConfig(min_devices=2, quorum=1))
+        strategy.start(task["grid"], ArrayRecord(), num_rounds=1, timeout=60)
+        coord.revoke(task["task"], strategy._nodes[NODES[0]].device_id)
+
+        strategy.start(task["grid"], ArrayRecord(), num_rounds=1, timeout=60)
+
+    last = strategy.history[-1]
+    assert (last.participants, last.version) == (1, 2)
+    assert len(last.failures) == 1 and f"device {NODES[0]}" in last.failures[0]
+    assert "revoked" in last.failures[0], last.failures
+
+
 def test_rest_adapter_reports_the_coordinators_refusal(task: dict) -> None:
     with TestClient(create_app(runtime=task["coord"].rt)) as client:
         rest = RestCoordinator("http://testserver", "wrong-admin-token", task["join"],

@@ -227,22 +227,42 @@ def test_a_small_budget_lowers_copies_per_forward_and_says_so(caplog) -> None:  
     np.testing.assert_allclose(g, full, atol=G_TOL, rtol=1e-3)
 
 
-def test_a_head_on_an_uncached_encoder_counts_the_repeated_token_states_per_copy() -> None:
-    # Arrange: only the head trains, the encoder runs (no feature cache): each stacked copy
-    # repeats the encoder's token states, which the pooling then reads outside any module
+def test_a_head_on_an_uncached_encoder_shares_the_pooled_embedding() -> None:
+    # Arrange: only the head trains, the encoder runs (no feature cache); the sentence
+    # embedding is a module call, so its output is what every stacked copy repeats
     model = _pooled_bert()
     scope = build_scope("named", model, patterns=("classifier",))
     batch, config = _cls_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     engine = ProbeEngine(model, scope, classification_loss, classification_losses)
-    states = 4 * batch["input_ids"].numel() * model.encoder.config.hidden_size  # float32
+    hidden = model.encoder.config.hidden_size
+    states = 4 * batch["input_ids"].numel() * hidden  # float32 token states of the batch
+    pooled = 4 * batch["input_ids"].shape[0] * hidden
 
     # Act
     g = _engine(scope, engine, batch, config)
 
-    # Assert
-    assert engine.stats.per_copy_mb * 2**20 >= probes.ACTIVATION_FACTOR * states
+    # Assert: one shared module (the embedding; the encoder ran inside it), and a copy holds
+    # pooled rows and its batch, not the token states (what it repeated before)
+    assert engine.stats.shared_modules == 1
+    assert engine.stats.shared_mb * 2**20 == pooled
+    assert engine.stats.per_copy_mb * 2**20 < probes.ACTIVATION_FACTOR * states
     np.testing.assert_allclose(g, _sequential(scope, model, batch, config, classification_loss),
                                atol=G_TOL, rtol=1e-3)
+
+
+def test_a_scope_inside_the_encoder_is_never_shared_through_the_embedding() -> None:
+    # Arrange: the sentence-embedding module owns no tensor, but its output depends on the
+    # encoder's, which the scope perturbs: shared, every probe would see the same loss
+    model = _pooled_bert()
+    scope = build_scope("named", model, patterns=("encoder.encoder.layer.1.",))
+    batch, config = _cls_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    engine = ProbeEngine(model, scope, classification_loss, classification_losses)
+    want = _sequential(scope, model, batch, config, classification_loss)
+
+    g = _engine(scope, engine, batch, config)
+
+    assert np.abs(want).max() > 5 * G_TOL  # the layer moves the loss
+    np.testing.assert_allclose(g, want, atol=G_TOL, rtol=1e-3)
 
 
 def test_max_copies_groups_the_probes() -> None:
