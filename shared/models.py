@@ -153,6 +153,8 @@ class MeanPoolClassifier(nn.Module):
         # expected sentences by token length: key -> (ids, token types or None)
         self._expected: dict[int, dict[bytes, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._namespace: tuple[int, str] | None = None
+        #: rows this model has encoded (not read from its cache or feature store) so far
+        self.rows_encoded = 0
 
     @property
     def num_layers(self) -> int:
@@ -211,7 +213,9 @@ class MeanPoolClassifier(nn.Module):
         self._expected.clear()
         if not todo or self.frozen_prefix == 0:
             return 0
-        return len(self._fill(todo))
+        before = self.rows_encoded
+        self._fill(todo)
+        return self.rows_encoded - before
 
     def feature_namespace(self) -> str:
         """Names the cached rows: the canonical context, the depth k and the weights below
@@ -251,6 +255,7 @@ class MeanPoolClassifier(nn.Module):
                 fresh.update(self.feature_store.get(self.feature_namespace(), list(sentences)))
             todo = {key: s for key, s in sentences.items() if key not in fresh}
             encoded = self._encode_canonical(todo, fresh) if todo else {}
+            self.rows_encoded += len(encoded)
             if encoded and self.feature_store is not None:
                 self.feature_store.put(self.feature_namespace(), encoded)
             fresh.update(encoded)

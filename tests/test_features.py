@@ -1,4 +1,5 @@
-"""The shared feature store: what one process puts, another gets bit for bit; where it lives."""
+"""The shared feature store: what one process puts, another gets bit for bit; where it lives;
+prefill, which encodes a fleet's sentences into it before round 1."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from seedfed.client.device_data import DeviceData
 
-from seedfed.features import AUTO, RUN, RUN_DIR_NAME, SharedFeatures, store_root
+from seedfed.features import AUTO, RUN, RUN_DIR_NAME, SharedFeatures, prefill, store_root
+from seedfed.simulate import SimulationConfig, task_spec_for
+from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 NS = "ab12" * 16
 
@@ -84,3 +88,19 @@ def test_the_store_lives_in_the_users_cache_unless_told_otherwise(
     assert store_root(AUTO, run) == tmp_path / "mine"
     assert store_root(RUN, run) == run / RUN_DIR_NAME
     assert store_root(str(tmp_path / "given"), run) == tmp_path / "given"
+
+
+def test_prefill_encodes_every_devices_sentences_once_and_reports_each_partition(
+        tmp_path: Path) -> None:
+    data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=120))
+    config = SimulationConfig(out=tmp_path / "run", data=data,
+                              model=str(make_tiny_sentence_bert(tmp_path / "m")))
+    spec = task_spec_for(config, ("bad", "good"))
+    store, seen = SharedFeatures(tmp_path / "features"), []
+
+    first = prefill(store, spec, DeviceData(source=data, num_partitions=3), 3, 1,
+                    lambda done, total: seen.append((done, total)))
+    again = prefill(store, spec, DeviceData(source=data, num_partitions=3), 3, 1)
+
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert first > 0 and again == 0  # the second reads every row back from the store
