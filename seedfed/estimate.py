@@ -5,10 +5,12 @@ wrong somewhere. Instead `estimate_duration` builds the task's model once, runs 
 local step of the task (every probe of the plan's seeds and the update, the device's own
 `LocalTrainer` with its probe batching) on a real batch of the data, times it, and scales
 that by the run: rounds x devices per round x local steps, divided by the devices that run at
-once, plus the held-out scoring. A task whose plans differ by round (a ternary task's
-alternate mask epochs) is timed per kind of plan; a ternary task runs on the packed model its
-devices hold. It is an estimate of device compute, not of transport or coordinator time (both
-small beside it for the recipes; docs/accuracy.md).
+once, plus the held-out scoring; and, apart, the one-off encoding of the devices' sentences
+where the model caches its frozen part (a head's features). A task whose plans differ by round
+(a ternary task's alternate mask epochs) is timed per kind of plan; a ternary task runs on the
+packed model its devices hold. It is an estimate of device compute, not of transport or
+coordinator time (docs/performance.md: with a head scope the rounds' waiting is most of a
+warm run).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +29,13 @@ import torch
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.evaluate import accuracy
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.models import ModelBundle, build_model
+from seedfed.shared.models import (
+    FEATURE_GROUP,
+    ModelBundle,
+    build_model,
+    expect_texts,
+    pooled_classifier,
+)
 from seedfed.shared.replay import checksum
 from seedfed.shared.scope_options import TernaryOptions
 from seedfed.shared.task import TaskSpec
@@ -41,6 +50,10 @@ class DurationEstimate:
     device_steps: int  # rounds x devices per round x local steps
     parallel: int  # devices computing at once
     eval_s: float  # all the held-out scoring of the run
+    #: encoding every training sentence once, where the model caches what its scope leaves
+    #: frozen (a head's features; 0 otherwise): an upper bound, since a feature cache that
+    #: already holds the sentences skips it; not part of `seconds`
+    encode_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -48,9 +61,13 @@ class DurationEstimate:
 
     def describe(self) -> str:
         step = f"{self.step_s:.2f} s" if self.step_s >= 0.1 else f"{self.step_s * 1e3:.1f} ms"
-        return (f"expected duration ~{self.seconds / 60:.1f} min of device compute: one device "
+        text = (f"expected duration ~{self.seconds / 60:.1f} min of device compute: one device "
                 f"step measured at {step} x {self.device_steps:,} device steps "
                 f"/ {self.parallel} at once, + {self.eval_s:.0f} s of held-out scoring")
+        if self.encode_s >= 1:
+            text += (f"; + up to ~{self.encode_s / 60:.1f} min encoding the devices' "
+                     "sentences once (none where the feature cache holds them)")
+        return text
 
 
 def plan_kinds(spec: TaskSpec, rounds: int) -> list[tuple[int, int, int, int]]:
@@ -71,13 +88,14 @@ def plan_kinds(spec: TaskSpec, rounds: int) -> list[tuple[int, int, int, int]]:
 
 def estimate_duration(spec: TaskSpec, train: Examples, held_out: Examples, *, rounds: int,
                       per_round: int, parallel: int, evals: int, repeats: int = 3,
-                      ) -> DurationEstimate:
+                      sentences: int = 0) -> DurationEstimate:
     """Time one local step of each of the run's plans (`plan_kinds`) of `spec` on a batch of
     `train` (`repeats` times; the first also pays one-off costs such as a head's feature
     cache, so the fastest counts) and one scoring of `held_out`, then scale them by the run.
     A ternary task is timed as its devices run it: on the packed model, loaded from the
     snapshot the coordinator's model publishes at the plan's version, a new batch each step
-    (the median counts)."""
+    (the median counts). `sentences`: the fleet's training sentences, whose one-off encoding
+    (`DurationEstimate.encode_s`) is timed on sentences of `train` (`_encode_s`)."""
     if repeats < 1 or rounds < 1 or per_round < 1 or parallel < 1 or evals < 0:
         raise ValueError("repeats, rounds, per_round and parallel must be >= 1, evals >= 0")
     coordinator = build_model(spec, initialize=True)
@@ -114,8 +132,33 @@ def estimate_duration(spec: TaskSpec, train: Examples, held_out: Examples, *, ro
         sample = held_out.subset(range(min(len(held_out), 64)))
         first, repeat = (_timed(accuracy, bundle, sample) for _ in range(2))
         eval_s = (first + repeat * (evals - 1)) * len(held_out) / len(sample)
+    encode_s = 0.0
+    if sentences and spec.scope != "ternary":  # a packed device caches nothing
+        encode_s = _encode_s(coordinator, train, spec.max_seq_len) * sentences / parallel
     return DurationEstimate(step_s=compute_s / device_steps, device_steps=device_steps,
-                            parallel=max(1, min(parallel, per_round)), eval_s=eval_s)
+                            parallel=max(1, min(parallel, per_round)), eval_s=eval_s,
+                            encode_s=encode_s)
+
+
+def _encode_s(bundle: ModelBundle, train: Examples, max_len: int, repeats: int = 3) -> float:
+    """Seconds to encode one sentence of `train` into the feature cache (0: the model caches
+    nothing). Timed on one canonical group of the sample's most common length (a device
+    encodes its whole data set in full groups; a sample's many short groups would be padded)
+    and scaled per token to the sample's mean length."""
+    inner = pooled_classifier(bundle.model)
+    if inner is None or inner.frozen_prefix == 0 or bundle.tokenizer is None or not len(train):
+        return 0.0
+    ids = bundle.tokenizer(list(train.texts), truncation=True, max_length=max_len)["input_ids"]
+    length = Counter(len(i) for i in ids).most_common(1)[0][0]
+    group = [t for t, i in zip(train.texts, ids, strict=True) if len(i) == length][:FEATURE_GROUP]
+    times = []
+    for _ in range(repeats):
+        inner.clear_cache()
+        expect_texts(bundle.model, bundle.tokenizer, group, max_len)
+        times.append(_timed(inner.warm))
+    inner.clear_cache()
+    per_token = min(times) / (FEATURE_GROUP * length)  # a short group is padded to a full one
+    return per_token * statistics.fmean(len(i) for i in ids)
 
 
 def _timed(fn: Callable[..., object], *args: object) -> float:

@@ -587,7 +587,8 @@ def expected_duration(config: SimulationConfig) -> Any:
         spec, splits.train.subset(range(min(len(splits.train), 256))),
         held.subset(range(min(config.eval_size, len(held)))), rounds=config.rounds,
         per_round=per_round, parallel=parallel,
-        evals=evaluations(config.rounds, config.eval_every) if config.eval_size else 0)
+        evals=evaluations(config.rounds, config.eval_every) if config.eval_size else 0,
+        sentences=len(splits.train))
 
 
 def run_with_progress(config: SimulationConfig) -> Report:

@@ -8,6 +8,7 @@ import pytest
 from seedfed.client.device_data import DeviceData, load_device_examples
 
 from seedfed.estimate import DurationEstimate, estimate_duration, plan_kinds
+from seedfed.simulate import SimulationConfig, task_spec_for
 from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write_sentiment_tsv
 
 
@@ -65,3 +66,18 @@ def test_a_fast_step_is_described_in_milliseconds() -> None:
     text = DurationEstimate(step_s=0.0042, device_steps=6000, parallel=2, eval_s=3.0).describe()
 
     assert "4.2 ms x 6,000 device steps / 2 at once" in text
+
+
+def test_a_cached_head_estimates_its_one_off_encoding_apart(tmp_path: Path) -> None:
+    data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=300))
+    config = SimulationConfig(out=tmp_path / "run", data=data,
+                              model=str(make_tiny_sentence_bert(tmp_path / "m")))
+    spec = task_spec_for(config, ("bad", "good"))
+    train = load_device_examples(DeviceData(source=data))[0]
+
+    estimate = estimate_duration(spec, train, train, rounds=2, per_round=2, parallel=2,
+                                 evals=1, repeats=1, sentences=100_000)
+
+    assert estimate.encode_s > 0
+    assert estimate.seconds == pytest.approx(estimate.step_s * estimate.device_steps / 2
+                                             + estimate.eval_s)  # encoding is not in it
