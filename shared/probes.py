@@ -15,10 +15,12 @@ How a step runs:
 1. *Recording pass.* The step's first probe runs as an ordinary sequential probe (the
    `Perturber`), with hooks on every module and a torch-function mode that tracks which tensors
    depend on the perturbed tensors ("tainted"). A module that runs once, holds no scoped tensor
-   and whose inputs are all untainted computes the same output for every probe of the step:
-   its output is kept. Nothing is model-specific: for MiniLM with LoRA on layer 5's query and
-   value, layers 0-4, the key projection and the frozen base matmuls `x W` of query and value are
-   kept; with only `output.dense` of layer 5 perturbed, everything up to that module's input.
+   and whose inputs and output are all untainted computes the same output for every probe of
+   the step: its output is kept (the outermost such call's: what ran inside it is dropped).
+   Nothing is model-specific: for MiniLM with LoRA on layer 5's query and value, layers 0-4,
+   the key projection and the frozen base matmuls `x W` of query and value are kept; with only
+   `output.dense` of layer 5 perturbed, everything up to that module's input; with only the
+   head, the pooled sentence embedding (`shared.models.SentenceEmbedding`).
 2. *Shared prefix.* Every later probe of the step runs with the kept modules replaced by their
    outputs, so only the part of the model that depends on theta + eps z runs again.
 3. *Batched copies.* With a per-copy loss (`CopyLosses`), up to `copies_per_forward` probes are
@@ -444,10 +446,12 @@ class ProbeEngine:
         return calls[key].caller if key in calls else self._parent.get(key)
 
     def _under(self, calls: dict[int, _Call], key: int, kept: set[int]) -> bool:
-        while (key_ := self._caller(calls, key)) is not None:
-            key = key_
-            if key in kept:
+        """Did the module run inside a kept one (its output then never materializes)?"""
+        caller = self._caller(calls, key)
+        while caller is not None:
+            if caller in kept:
                 return True
+            caller = self._caller(calls, caller)
         return False
 
     # -- later probes ------------------------------------------------------------------------
