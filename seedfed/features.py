@@ -35,7 +35,7 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,16 +177,13 @@ def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: 
 
     base = replace(data, partition_id=0)
     workers = max(1, min(workers, devices))
-    done = 0
     if workers == 1:
         _open_worker(str(store.root), spec.to_dict())
-        encoded = 0
-        for p in range(devices):
-            encoded += _encode_partition(base, p)
-            done += 1
-            if progress is not None:
-                progress(done, devices)
-        return encoded
+        try:
+            return _tally((_encode_partition(base, p) for p in range(devices)), devices,
+                          progress)
+        finally:
+            _WORKER.clear()  # this process keeps no model of prefill's
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -194,14 +191,19 @@ def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_open_worker,
                              initargs=(str(store.root), spec.to_dict())) as ex:
-        encoded = 0
-        for job in as_completed([ex.submit(_encode_partition, base, p)
-                                 for p in range(devices)]):
-            encoded += job.result()
-            done += 1
-            if progress is not None:
-                progress(done, devices)
-        return encoded
+        jobs = [ex.submit(_encode_partition, base, p) for p in range(devices)]
+        return _tally((job.result() for job in as_completed(jobs)), devices, progress)
+
+
+def _tally(encoded: Iterable[int], devices: int,
+           progress: Callable[[int, int], None] | None) -> int:
+    """The rows encoded over the partitions, reporting each partition as it finishes."""
+    total = 0
+    for done, rows in enumerate(encoded, start=1):
+        total += rows
+        if progress is not None:
+            progress(done, devices)
+    return total
 
 
 #: A `prefill` worker's model (None: the model caches nothing), built once per process.

@@ -304,26 +304,18 @@ def submit_uploads(rt: Runtime, *, task_id: str,
     """Validate and store a round's uploads, (device id, upload, wire bytes) each, in one
     transaction (the in-process path of a fleet engine that collects a round's replies
     first); one outcome per upload, in order: its receipt or the typed error refusing it."""
-    out: list[Outcome | None] = []
-    pending: list[tuple[int, PendingUpload]] = []
+    checked: list[Outcome | PendingUpload] = []
     for device_id, upload, wire_bytes in uploads:
         try:
-            p = check_upload(rt, task_id=task_id, round_number=upload.round,
-                             device_id=device_id, upload=upload, wire_bytes=wire_bytes)
+            checked.append(check_upload(rt, task_id=task_id, round_number=upload.round,
+                                        device_id=device_id, upload=upload,
+                                        wire_bytes=wire_bytes))
         except Exception as e:
             rt.metrics.uploads.labels("rejected").inc()
-            out.append(e)
-            continue
-        if isinstance(p, UploadReceipt):
-            out.append(p)
-        else:
-            pending.append((len(out), p))
-            out.append(None)
-    if pending:
-        for (i, _), result in zip(pending, write_uploads(rt, [p for _, p in pending]),
-                                  strict=True):
-            out[i] = result
-    return [o for o in out if o is not None]
+            checked.append(e)
+    pending = [c for c in checked if isinstance(c, PendingUpload)]
+    written = iter(write_uploads(rt, pending) if pending else [])
+    return [next(written) if isinstance(c, PendingUpload) else c for c in checked]
 
 
 class UploadWriter:
