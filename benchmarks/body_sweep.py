@@ -221,6 +221,7 @@ def scope_names(scope: str, params: dict[str, torch.Tensor]) -> tuple[list[str],
         "top3": (head + [n for n in names if n[:2] in ("3.", "4.", "5.")], 3, 0),
         "full": (head + [n for n in names if n[0].isdigit()], 0, 0),
         "lora5": (head, 5, 8),  # LoRA (A and B trained) on layer 5's output.dense
+        "fa5": (head, 5, 16),  # LoRA-FA (B trained, A frozen) on layer 5's output.dense alone
     }
     if scope not in table:
         raise SystemExit(f"unknown scope {scope}; known: {', '.join(table)}")
@@ -256,6 +257,8 @@ def fo_ceiling(cache: dict[str, Any], scope: str, lr: float, epochs: int, batch:
     history = []
     started = time.perf_counter()
     acc0 = evaluate(params, ev, start, lora)
+    tr_idx = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(5))[:2000]]
+    losses = []
     for ep in range(epochs):
         for idx in bucketed(union, pool.lengths, batch):
             loss = F.cross_entropy(forward(params, pool, idx, start, lora or None),
@@ -265,11 +268,14 @@ def fo_ceiling(cache: dict[str, Any], scope: str, lr: float, epochs: int, batch:
             opt.step()
         acc = evaluate(params, ev, start, lora)
         history.append(round(acc, 4))
+        losses.append(round(mean_loss(params, pool, tr_idx, start, lora), 4))
         print(f"  fo {scope} lr {lr:g} epoch {ep + 1}: {eval_split} {acc:.4f} "
+              f"train loss {losses[-1]:.4f} "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
     numel = sum(t.numel() for t in trained)
     return {"scope": scope, "lr": lr, "epochs": epochs, "batch": batch, "numel": numel,
-            "start_layer": start, "acc0": acc0, "history": history, "best": max(history),
+            "start_layer": start, "acc0": acc0, "history": history, "train_loss": losses,
+            "best": max(history),
             "final": history[-1], "seconds": time.perf_counter() - started}
 
 
@@ -284,6 +290,17 @@ def bucketed(union: torch.Tensor, lengths: torch.Tensor, batch: int) -> list[tor
         part = part[torch.argsort(lengths[part])]
         out += [part[s:s + batch] for s in range(0, len(part) - batch + 1, batch)]
     return [out[i] for i in torch.randperm(len(out)).tolist()]
+
+
+@torch.no_grad()
+def mean_loss(params: dict[str, torch.Tensor], split: Split, idx: torch.Tensor, start: int,
+              lora: dict[str, torch.Tensor] | None = None) -> float:
+    """Mean cross-entropy over `idx` (the fixed 2,000 pool examples the ZO runs report)."""
+    order = idx[torch.argsort(split.lengths[idx])]
+    total = sum(float(F.cross_entropy(forward(params, split, order[s:s + 100], start,
+                                              lora or None), split.y[order[s:s + 100]],
+                                      reduction="sum")) for s in range(0, len(order), 100))
+    return total / len(idx)
 
 
 @torch.no_grad()
@@ -329,7 +346,7 @@ class ZoRun:
 
 
 #: Scopes at the top of layer 5 whose probes start from a cached pre-LayerNorm state.
-CHEAP_TOP = ("ln5out", "ffo5", "lora5")
+CHEAP_TOP = ("ln5out", "ffo5", "lora5", "fa5")
 #: peft's LoRA scaling alpha / r of the lora5 scope (alpha 16, r 8).
 LORA_SCALE = 2.0
 
@@ -488,6 +505,18 @@ class ZoProblem:
     def flat(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([p[n].reshape(-1) for n in self.names])
 
+    def train_loss(self, theta: torch.Tensor, split: Split, idx: torch.Tensor) -> float:
+        """Mean cross-entropy over `idx` of `split` (the fleet's objective, on its pool)."""
+        key = -id(split)
+        if key not in self._eval_preps:
+            order = idx[torch.argsort(split.lengths[idx])]
+            self._eval_preps[key] = [(order[s:s + 100], self.prepare(split, order[s:s + 100]))
+                                     for s in range(0, len(order), 100)]
+        p = self.unflat(theta)
+        total = sum(float(F.cross_entropy(self._logits(p, prep), split.y[i], reduction="sum"))
+                    for i, prep in self._eval_preps[key])
+        return total / len(idx)
+
     def accuracy(self, theta: torch.Tensor, split: Split) -> float:
         correct = 0
         order = torch.argsort(split.lengths)
@@ -516,6 +545,10 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
         phi[:n_head] = (head_init - prob.theta0[:n_head]) / prob.scale[:n_head]
     theta = lambda ph: prob.theta0 + prob.scale * ph  # noqa: E731
     curve = [(0, prob.accuracy(theta(phi), ev))]
+    # the training loss on a fixed 2,000 of the pool: the objective, less noisy than accuracy
+    union = torch.from_numpy(np.sort(np.concatenate(cache["parts"])))
+    tr_idx = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(5))[:2000]]
+    losses = [(0, prob.train_loss(theta(phi), pool, tr_idx))]
     started = time.perf_counter()
     history: list[torch.Tensor] = []
     for r in range(run.rounds):
@@ -563,14 +596,15 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
         phi = phi + u
         if (r + 1) % run.eval_every == 0 or r + 1 == run.rounds:
             curve.append((r + 1, prob.accuracy(theta(phi), ev)))
+            losses.append((r + 1, prob.train_loss(theta(phi), pool, tr_idx)))
             print(f"    {run.scope} c {run.c_body:g} lr {run.lr:g} m {run.momentum:g} "
-                  f"round {r + 1}: {eval_split} "
-                  f"{curve[-1][1]:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
+                  f"round {r + 1}: {eval_split} {curve[-1][1]:.4f} train loss "
+                  f"{losses[-1][1]:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
     wall = time.perf_counter() - started
     if save_head is not None:
         torch.save(theta(phi)[:prob.sizes[0] + prob.sizes[1]].clone(), save_head)
     return {"run": run.__dict__, "seed": seed, "numel": prob.numel, "curve": curve,
-            "final": curve[-1][1], "seconds": wall}
+            "train_loss": losses, "final": curve[-1][1], "seconds": wall}
 
 
 def fo_head(cache: dict[str, Any], lr: float, c_bias: float, momentum: float, rounds: int,
@@ -731,6 +765,7 @@ def main() -> None:
                     accs = [r["final"] for r in res]
                     rows.append({"run": run.__dict__, "finals": accs,
                                  "curves": [r["curve"] for r in res],
+                                 "train_loss": [r["train_loss"] for r in res],
                                  "seconds": [r["seconds"] for r in res],
                                  "numel": res[0]["numel"]})
                     each = " ".join(f"{a:.3f}" for a in accs)

@@ -170,7 +170,26 @@ def _llama_case(quick: bool, loss: Any, losses: Any) -> Case:
                 shape.name)
 
 
+@contextlib.contextmanager
+def _whole_forward(model: nn.Module) -> Any:
+    """MeZO's probe: every forward runs the whole model (the feature cache switched off)."""
+    from seedfed.shared.models import MeanPoolClassifier
+
+    inner = next((m for m in model.modules() if isinstance(m, MeanPoolClassifier)), None)
+    depth = inner.frozen_prefix if inner is not None else 0
+    if inner is not None:
+        inner.frozen_prefix = 0
+    try:
+        yield
+    finally:
+        if inner is not None:
+            inner.frozen_prefix = depth
+
+
 def _stepper(case: Case, mode: str) -> Callable[[list[int]], Any]:
+    """One ZO step of `mode`: `mezo` (two whole forwards per seed, MeZO's estimator),
+    `sequential` (the same through the model's frozen-prefix feature cache), `shared` (the
+    probe engine, prefix shared, one copy per forward) or `batched` (shared + stacked copies)."""
     from seedfed.shared.estimator import ZOConfig, spsa_step
     from seedfed.shared.perturb import Perturber
     from seedfed.shared.probes import ProbeEngine, engine_step
@@ -178,7 +197,7 @@ def _stepper(case: Case, mode: str) -> Callable[[list[int]], Any]:
     perturber = Perturber(case.scope)
     engine = ProbeEngine(case.model, case.scope, case.loss,
                          case.losses if mode == "batched" else None,
-                         share_prefix=mode != "sequential", perturber=perturber)
+                         share_prefix=mode not in ("sequential", "mezo"), perturber=perturber)
 
     def loss_fn() -> float:
         with torch.no_grad():
@@ -188,6 +207,9 @@ def _stepper(case: Case, mode: str) -> Callable[[list[int]], Any]:
         config = ZOConfig(lr=LR, eps=EPS, perturbations=len(seeds))
         state = case.scope.read()
         try:
+            if mode == "mezo":
+                with _whole_forward(case.model):
+                    return spsa_step(case.scope, loss_fn, seeds, config, perturber)
             if mode == "sequential":
                 return spsa_step(case.scope, loss_fn, seeds, config, perturber)
             return engine_step(engine, case.batch, seeds, config)
@@ -202,8 +224,11 @@ def _seeds(p: int, rep: int) -> list[int]:
 
 
 def measure(name: str, ps: list[int], repeats: int, quick: bool,
-            modes: tuple[str, ...] = ("sequential", "batched")) -> dict[str, Any]:
+            modes: tuple[str, ...] | None = None) -> dict[str, Any]:
     case = build_case(name, quick)
+    # MeZO's whole-model probes are the baseline of the MiniLM cases (the Llama has no cache).
+    modes = modes or (("mezo", "sequential", "batched") if name in MINILM_CASES
+                      else ("sequential", "batched"))
     steppers = {m: _stepper(case, m) for m in modes}
     for m in modes:  # warm-up: the feature cache holds the batch, lazy inits are done
         steppers[m](_seeds(1, 99))

@@ -34,6 +34,8 @@ def test_quick_probe_bench_has_every_case_mode_and_p(quick_result: dict) -> None
     for scope in ("head", "lora_top", "lora_all", "int8_scales_top", "lora_r8"):
         for mode in ("sequential", "batched"):
             assert {(scope, mode, 1), (scope, mode, 2)} <= seen
+        # MeZO's whole-model probes are the MiniLM cases' baseline; the Llama has no cache
+        assert ((scope, "mezo", 2) in seen) == (scope != "lora_r8")
     for r in rows:
         assert set(r) >= ROW_KEYS
         assert math.isfinite(r["ms_per_scalar"]) and r["ms_per_scalar"] > 0
@@ -45,6 +47,7 @@ def test_quick_probe_bench_reports_inference_peaks_and_targets(quick_result: dic
     peaks = quick_result["inference_peak_mb"]
     assert len(peaks) == 5 and all(v > 0 for v in peaks.values())
     assert set(quick_result["targets"]) == {"lora_top_batched_vs_sequential",
+                                            "lora_top_batched_vs_mezo",
                                             "batched_peak_vs_inference"}
     batched = [r for r in quick_result["results"] if r["mode"] == "batched" and r["P"] == 2]
     assert all(r["copies_per_forward"] >= 1 for r in batched)
