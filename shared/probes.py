@@ -24,7 +24,8 @@ How a step runs:
 2. *Shared prefix.* Every later probe of the step runs with the kept modules replaced by their
    outputs, so only the part of the model that depends on theta + eps z runs again.
 3. *Batched copies.* With a per-copy loss (`CopyLosses`), up to `copies_per_forward` probes are
-   stacked along the batch dimension in one forward: kept outputs are repeated, the frozen
+   stacked along the batch dimension in one forward: kept outputs are repeated (once a step
+   per group size, shared by every module that kept the same tensor), the frozen
    layers above them run once over all copies, and each module owning scoped tensors runs per
    copy on its slice with that copy's perturbed tensors (`perturbed_copy`, the bits the
    sequential path adds; a seed's -eps twin comes from the same z, `perturbed_pair`), so z
@@ -480,9 +481,10 @@ class ProbeEngine:
         self.stats.copies_per_forward = n
         out: list[float] = []
         rows = _first_rows((), dict(batch))
+        stacked: dict[tuple[int, int], Any] = {}  # (id of a recorded output, copies) -> stacked
         with ExitStack() as stack:
             for c in plan.shared:
-                stack.enter_context(_replaced(c))
+                stack.enter_context(_replaced(c, stacked))
             i = 0
             while i < len(probes):
                 group = probes[i:i + n]
@@ -657,8 +659,14 @@ def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe,
 
 
 @contextmanager
-def _replaced(call: _Call) -> Iterator[None]:
-    """The module returns its recorded output (repeated per copy in a batched forward)."""
+def _replaced(call: _Call, stacked: dict[tuple[int, int], Any]) -> Iterator[None]:
+    """The module returns its recorded output (repeated per copy in a batched forward).
+
+    A repeated output is kept in `stacked` for the step's later groups of the same size, and
+    for any other shared module that recorded the very same tensor (an `nn.Identity` dropout
+    passes its input through): every group reads the same rows, and repeating a wide state (an
+    FFN's 1536-wide activations) into fresh pages cost more than the group's own arithmetic.
+    Like the recorded output itself, it is only read downstream, never written."""
     module, output, rows = call.module, call.output, call.rows
     original = module.forward
 
@@ -668,7 +676,12 @@ def _replaced(call: _Call) -> Iterator[None]:
             return output
         n = forward.seedfed_copies  # type: ignore[attr-defined]
         if rows is not None and got == n * rows:
-            return _repeat(output, rows, n)
+            key = (id(output), n)
+            if key not in stacked:
+                for old in [k for k in stacked if k[1] != n]:  # one group size held at a time
+                    del stacked[old]
+                stacked[key] = _repeat(output, rows, n)
+            return stacked[key]
         return original(*args, **kwargs)  # not the recorded call: compute it
 
     forward.seedfed_copies = 1  # type: ignore[attr-defined]

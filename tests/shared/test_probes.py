@@ -196,6 +196,36 @@ def test_top_output_projection_shares_everything_below_its_input() -> None:
     np.testing.assert_allclose(g, ref, atol=G_TOL, rtol=1e-3)
 
 
+def test_groups_of_copies_repeat_each_shared_output_once_per_group_size(monkeypatch) -> None:  # noqa: ANN001
+    # Arrange: LoRA on the top output projection (its input, the FFN activations, is shared
+    # and also passes through LoRA's Identity dropout); 8 probes: the recording pass, then
+    # groups of 3, 3 and 1 (a single copy runs unstacked)
+    model = apply_lora(_pooled_bert(), LoraOptions(r=4, target_modules=("1.output.dense",)),
+                       "seq_cls")
+    scope = build_scope("lora", model)
+    batch, config = _cls_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    engine = ProbeEngine(model, scope, classification_loss, classification_losses, max_copies=3)
+    repeats: list[tuple[int, int]] = []
+    real = probes._repeat
+
+    def counted(obj, rows, n):  # noqa: ANN001, ANN202
+        repeats.append((id(obj), n))
+        return real(obj, rows, n)
+
+    monkeypatch.setattr(probes, "_repeat", counted)
+
+    # Act
+    g = _engine(scope, engine, batch, config)
+
+    # Assert: the second group of 3 reuses the first one's stacked outputs, and an output two
+    # shared modules recorded (the Identity's) is stacked once; the scalars are the sequential
+    # ones
+    assert engine.stats.copies_per_forward == 3 and repeats
+    assert len(set(repeats)) == len(repeats) and {n for _, n in repeats} == {3}
+    ref = _sequential(scope, model, batch, config, classification_loss)
+    np.testing.assert_allclose(g, ref, atol=G_TOL, rtol=1e-3)
+
+
 def test_feature_cache_and_engine_agree_with_the_uncached_model() -> None:
     model = _pooled_bert()
     scope = build_scope("named", model, patterns=("layer.1.attention.self.query", "classifier"))
