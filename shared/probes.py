@@ -32,7 +32,9 @@ How a step runs:
    comes from the shared stream exactly as in `spsa_step`.
    `copies_per_forward` comes from a memory budget (`budget_mb` of extra activations, estimated
    from the recording pass); a `max_copies` above what the budget allows is lowered with a
-   warning and reported in `ProbeStats.limited`. The scalars are the same either way.
+   warning and reported in `ProbeStats.limited`; a group that runs out of memory anyway (the
+   estimate is short on this device) is redone at half the copies, with a warning, as many
+   times as it takes. The scalars are the same either way.
 
 Scalars equal the sequential estimator's to float tolerance (batched matmuls and per-copy loss
 reductions round differently); with one copy per forward (`copy_losses=None`) they are the
@@ -300,6 +302,7 @@ class ProbeEngine:
         self._warned = self._warned_reach = False
         self.reaches_loss: bool | None = None  # did the last recording see the scope reach it
         self._batchable = copy_losses is not None
+        self._memory_cap: int | None = None  # copies per forward this device ran out above
         owners = scope.owners()
         by_id = {id(t.tensor): t for t in scope}
         self._owned: dict[int, list[tuple[nn.Module, str, ScopedTensor]]] = {}
@@ -463,7 +466,7 @@ class ProbeEngine:
         free = max(0, self.budget_bytes - plan.shared_bytes)
         fits = int(1 + free // plan.per_copy_bytes)
         asked = wanted if self.max_copies is None else min(wanted, self.max_copies)
-        n = max(1, min(asked, fits))
+        n = max(1, min(asked, fits, self._memory_cap or asked))
         if self.max_copies is not None and n < asked:  # asked explicitly: say why it got fewer
             self.stats.limited = True
             if not self._warned:
@@ -498,6 +501,19 @@ class ProbeEngine:
                         self._batchable = False
                         self.stats.fallback = str(e)
                         self.stats.copies_per_forward = n = 1
+                        continue
+                    except (MemoryError, RuntimeError) as e:
+                        if not _out_of_memory(e):
+                            raise
+                        # the budget's estimate was short for this device: halve and redo the
+                        # group (nothing of it was kept; the per-copy context restored theta)
+                        n = max(1, len(group) // 2)
+                        log.warning("batched probes: out of memory at %d copies per forward; "
+                                    "running %d, same scalars (%s)", len(group), n, e)
+                        self._memory_cap = n  # later steps start there
+                        self.stats.limited = True
+                        self.stats.copies_per_forward = n
+                        self.stats.fallback = f"out of memory at {len(group)} copies"
                         continue
                 i += len(group)
         return out
@@ -656,6 +672,14 @@ def _swapped(entries: list[tuple[nn.Module, str, ScopedTensor]], probe: Probe,
         for p, data in saved:
             p.data = data
             active.discard(id(p))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure: Python's, torch's accelerator OOM, or the CPU allocator's."""
+    if isinstance(e, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return "out of memory" in text or "can't allocate memory" in text
 
 
 @contextmanager

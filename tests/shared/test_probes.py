@@ -295,6 +295,50 @@ def test_a_scope_inside_the_encoder_is_never_shared_through_the_embedding() -> N
     np.testing.assert_allclose(g, want, atol=G_TOL, rtol=1e-3)
 
 
+def test_out_of_memory_halves_copies_per_forward_with_the_same_scalars(caplog) -> None:  # noqa: ANN001
+    # Arrange: a device whose allocator fails above 2 stacked copies
+    model, scope = _lora_llama(("q_proj", "v_proj"))
+    batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    rows = batch["input_ids"].shape[0]
+
+    def tight_losses(model, stacked, copies):  # noqa: ANN001, ANN202
+        if copies > 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 1073741824 bytes")
+        assert stacked["input_ids"].shape[0] == copies * rows
+        return causal_lm_losses(model, stacked, copies)
+
+    engine = ProbeEngine(model, scope, causal_lm_loss, tight_losses, max_copies=7)
+
+    # Act
+    with caplog.at_level(logging.WARNING, logger="seedfed.shared.probes"):
+        g = _engine(scope, engine, batch, config)
+
+    # Assert: the engine halved until a group ran (7 -> 3 -> 1), said so, and the scalars are
+    # the sequential ones; the next step starts at what fitted, without failing again
+    assert engine.stats.limited and engine.stats.copies_per_forward == 1
+    assert "out of memory" in caplog.text
+    np.testing.assert_allclose(g, _sequential(scope, model, batch, config), atol=G_TOL, rtol=1e-3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seedfed.shared.probes"):
+        again = _engine(scope, engine, batch, config)
+    assert "out of memory" not in caplog.text
+    np.testing.assert_allclose(again, g, atol=G_TOL, rtol=1e-3)
+
+
+def test_an_error_that_is_not_memory_still_propagates() -> None:
+    model, scope = _lora_llama(("q_proj", "v_proj"))
+    batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+
+    def broken(model, stacked, copies):  # noqa: ANN001, ANN202
+        raise RuntimeError("shape mismatch")
+
+    engine = ProbeEngine(model, scope, causal_lm_loss, broken, max_copies=4)
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        _engine(scope, engine, batch, config)
+
+
 def test_max_copies_groups_the_probes() -> None:
     model, scope = _lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
