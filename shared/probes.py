@@ -58,6 +58,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import npzo
@@ -303,6 +304,7 @@ class ProbeEngine:
         self.reaches_loss: bool | None = None  # did the last recording see the scope reach it
         self._batchable = copy_losses is not None
         self._memory_cap: int | None = None  # copies per forward this device ran out above
+        self._stacks = _Stacks()  # this step's shared outputs stacked per copy
         owners = scope.owners()
         by_id = {id(t.tensor): t for t in scope}
         self._owned: dict[int, list[tuple[nn.Module, str, ScopedTensor]]] = {}
@@ -484,10 +486,11 @@ class ProbeEngine:
         self.stats.copies_per_forward = n
         out: list[float] = []
         rows = _first_rows((), dict(batch))
-        stacked: dict[tuple[int, int], Any] = {}  # (id of a recorded output, copies) -> stacked
+        self._stacks = stacks = _Stacks()
         with ExitStack() as stack:
+            stack.callback(stacks.clear)
             for c in plan.shared:
-                stack.enter_context(_replaced(c, stacked))
+                stack.enter_context(_replaced(c, stacks))
             i = 0
             while i < len(probes):
                 group = probes[i:i + n]
@@ -552,7 +555,8 @@ class ProbeEngine:
                 raise UnbatchableError(f"{type(module).__name__} got {got} rows, expected "
                                        f"{n} copies x {rows}")
             if not self._active and _fusable(module, entries, n, args, kwargs):
-                return _fused_linear(module, entries, group, args[0])
+                return _fused_linear(module, entries, group, args[0],
+                                     self._stacks.source(args[0], n))
             outs = []
             for probe, (a, k) in zip(group, zip(_split(args, rows, n), _split(kwargs, rows, n),
                                                 strict=True), strict=True):
@@ -590,11 +594,17 @@ def _fusable(module: nn.Module, entries: list[tuple[nn.Module, str, ScopedTensor
 
 
 def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedTensor]],
-                  group: list[Probe], x: torch.Tensor) -> torch.Tensor:
+                  group: list[Probe], x: torch.Tensor, shared_x: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Every copy's `F.linear(x_i, W_i, b_i)` in one batched matmul, W_i and b_i the copy's
     perturbed tensors (the bits `_swapped` shows; the product rounds as a batched matmul
     does, which the module's docstring allows). A head's 2P copies were 2P tiny matmuls and
-    as many swaps: most of a head step."""
+    as many swaps: most of a head step.
+
+    `shared_x`: when every copy's input is the same recorded output (x is it stacked, e.g.
+    the FFN activations entering a LoRA-A on an output projection), one matmul of those rows
+    with the copies' weights side by side [W_1; ...; W_n] reads them once instead of n
+    times."""
     owned = {attr: t for _, attr, t in entries}
 
     def stacked(attr: str) -> torch.Tensor | None:
@@ -608,6 +618,12 @@ def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedT
 
     weight, bias = stacked("weight"), stacked("bias")
     assert weight is not None
+    n, out_features = weight.shape[0], weight.shape[1]
+    if shared_x is not None:
+        y = F.linear(shared_x, weight.reshape(n * out_features, -1),
+                     None if bias is None else bias.reshape(-1))
+        y = y.view(*shared_x.shape[:-1], n, out_features).movedim(-2, 0)  # copy-major
+        return y.reshape(*x.shape[:-1], out_features)
     x3 = x.reshape(len(group), -1, x.shape[-1])  # (copy, rows x any middle dims, in)
     if bias is None:
         out = torch.bmm(x3, weight.transpose(1, 2))
@@ -682,15 +698,41 @@ def _out_of_memory(e: BaseException) -> bool:
     return "out of memory" in text or "can't allocate memory" in text
 
 
-@contextmanager
-def _replaced(call: _Call, stacked: dict[tuple[int, int], Any]) -> Iterator[None]:
-    """The module returns its recorded output (repeated per copy in a batched forward).
+class _Stacks:
+    """A step's recorded outputs stacked per copy, made once per group size and shared by every
+    module that recorded the very same tensor (an `nn.Identity` dropout passes its input
+    through): every group reads the same rows, and repeating a wide state (an FFN's 1536-wide
+    activations) into fresh pages cost more than the group's own arithmetic. Like the recorded
+    outputs themselves, the stacks are only read downstream, never written. `source` tells a
+    fused linear that its input is such a stack, so it can read the rows once."""
 
-    A repeated output is kept in `stacked` for the step's later groups of the same size, and
-    for any other shared module that recorded the very same tensor (an `nn.Identity` dropout
-    passes its input through): every group reads the same rows, and repeating a wide state (an
-    FFN's 1536-wide activations) into fresh pages cost more than the group's own arithmetic.
-    Like the recorded output itself, it is only read downstream, never written."""
+    def __init__(self) -> None:
+        self._stacked: dict[tuple[int, int], Any] = {}  # (id of the output, copies) -> stack
+        self._source: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def get(self, output: Any, rows: int, n: int) -> Any:
+        key = (id(output), n)
+        if key not in self._stacked:
+            if any(k[1] != n for k in self._stacked):
+                self.clear()  # one group size held at a time: the last group may be smaller
+            self._stacked[key] = stack = _repeat(output, rows, n)
+            if isinstance(output, torch.Tensor) and stack is not output:
+                self._source[id(stack)] = (stack, output, n)  # the stack keeps its id unique
+        return self._stacked[key]
+
+    def source(self, x: Any, n: int) -> torch.Tensor | None:
+        """The unstacked output when x is one of this step's stacks of n copies."""
+        hit = self._source.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x and hit[2] == n else None
+
+    def clear(self) -> None:
+        self._stacked.clear()
+        self._source.clear()
+
+
+@contextmanager
+def _replaced(call: _Call, stacks: _Stacks) -> Iterator[None]:
+    """The module returns its recorded output (stacked per copy in a batched forward)."""
     module, output, rows = call.module, call.output, call.rows
     original = module.forward
 
@@ -700,12 +742,7 @@ def _replaced(call: _Call, stacked: dict[tuple[int, int], Any]) -> Iterator[None
             return output
         n = forward.seedfed_copies  # type: ignore[attr-defined]
         if rows is not None and got == n * rows:
-            key = (id(output), n)
-            if key not in stacked:
-                for old in [k for k in stacked if k[1] != n]:  # one group size held at a time
-                    del stacked[old]
-                stacked[key] = _repeat(output, rows, n)
-            return stacked[key]
+            return stacks.get(output, rows, n)
         return original(*args, **kwargs)  # not the recorded call: compute it
 
     forward.seedfed_copies = 1  # type: ignore[attr-defined]

@@ -196,7 +196,7 @@ def test_top_output_projection_shares_everything_below_its_input() -> None:
     np.testing.assert_allclose(g, ref, atol=G_TOL, rtol=1e-3)
 
 
-def test_groups_of_copies_repeat_each_shared_output_once_per_group_size(monkeypatch) -> None:  # noqa: ANN001
+def test_groups_of_copies_stack_each_shared_output_once_per_group_size(monkeypatch) -> None:  # noqa: ANN001
     # Arrange: LoRA on the top output projection (its input, the FFN activations, is shared
     # and also passes through LoRA's Identity dropout); 8 probes: the recording pass, then
     # groups of 3, 3 and 1 (a single copy runs unstacked)
@@ -213,6 +213,14 @@ def test_groups_of_copies_repeat_each_shared_output_once_per_group_size(monkeypa
         return real(obj, rows, n)
 
     monkeypatch.setattr(probes, "_repeat", counted)
+    fused = probes._fused_linear
+    read_once: list[bool] = []
+
+    def spied(module, entries, group, x, shared_x=None):  # noqa: ANN001, ANN202
+        read_once.append(shared_x is not None)
+        return fused(module, entries, group, x, shared_x)
+
+    monkeypatch.setattr(probes, "_fused_linear", spied)
 
     # Act
     g = _engine(scope, engine, batch, config)
@@ -222,6 +230,7 @@ def test_groups_of_copies_repeat_each_shared_output_once_per_group_size(monkeypa
     # ones
     assert engine.stats.copies_per_forward == 3 and repeats
     assert len(set(repeats)) == len(repeats) and {n for _, n in repeats} == {3}
+    assert any(read_once)  # LoRA-A read the shared activations once for all copies
     ref = _sequential(scope, model, batch, config, classification_loss)
     np.testing.assert_allclose(g, ref, atol=G_TOL, rtol=1e-3)
 
