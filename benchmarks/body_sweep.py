@@ -24,9 +24,13 @@ How it stays fast (and the same math as `fed_zo`):
   c_t): theta_t = theta0_t + c_t * phi_t, SPSA on phi (z, eps and lr live in phi units), so one lr
   serves the head (c = 1) and the body (c ~ 0.01-0.1). z comes from torch generators, not the
   Philox stream: same distribution, not the same bits.
-- *cheap body probes*: `ffo5` (LoRA-FA on layer 5's FFN output projection, A frozen) caches
-  x A per token, so a probe costs one (tokens x r) @ (r x 384) matmul + LayerNorm + pooling,
-  not a layer. Scopes inside layer 5's attention or lower re-run the layers above them.
+- *cheap body probes*: `ffo5` (LoRA-FA on layer 5's FFN output projection, A frozen, beside
+  that layer's output LayerNorm and bias) and `fa5` (the LoRA-FA alone) cache x A per token,
+  so a probe costs one (tokens x r) @ (r x 384) matmul + LayerNorm + pooling, not a layer.
+  Scopes inside layer 5's attention or lower re-run the layers above them.
+- Every FO and ZO run reports the training loss on a fixed 2,000 of the pool beside the
+  validation accuracy: the objective itself, far less noisy than 1,000 examples' accuracy.
+  `body_coherence.py` turns a scope's gradient and curvature there into what a seed can buy.
 """
 
 from __future__ import annotations
