@@ -57,9 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from body_sweep import (  # noqa: E402
     Split,
     forward,
-    layer_forward,
     load_cache,
-    pool_logits,
     scope_names,
 )
 
@@ -144,18 +142,6 @@ def effective_batch(parts: list[np.ndarray]) -> float:
     return float(w.sum() ** 2 / (w * w).sum())
 
 
-def _forward64(p: dict[str, torch.Tensor], split: Split, idx: torch.Tensor, start: int,
-               lora: dict[str, torch.Tensor] | None) -> torch.Tensor:
-    """`body_sweep.forward` in float64 (finite differences of a loss need its precision)."""
-    h, mask = split.batch(idx, start)
-    h, mask = h.double(), mask.double()
-    if start < 6:
-        madd = ((1.0 - mask) * torch.finfo(h.dtype).min)[:, None, None, :]
-        for i in range(start, 6):
-            h = layer_forward(p, i, h, madd, lora)
-    return pool_logits(p, h, mask)
-
-
 def hessian_trace(cache: dict[str, Any], params: dict[str, torch.Tensor],
                   lora: dict[str, torch.Tensor], names: list[str], start: int, sample: int,
                   tr_g: float, draws: int) -> float:
@@ -168,6 +154,7 @@ def hessian_trace(cache: dict[str, Any], params: dict[str, torch.Tensor],
     pick = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(3))[:sample]]
     p64 = {k: v.double() for k, v in params.items()}
     lo64 = {k: v.double() for k, v in lora.items()}
+    shapes = {n: t.shape for n, t in (p64 | lo64).items()}
     eps = 1e-2 / math.sqrt(max(tr_g, 1e-12))  # eps^2 tr H ~ 1e-4: far above float64's noise
     gen = torch.Generator().manual_seed(4)
 
@@ -177,7 +164,7 @@ def hessian_trace(cache: dict[str, Any], params: dict[str, torch.Tensor],
         total = 0.0
         for s in range(0, len(pick), 64):
             idx = pick[s:s + 64]
-            total += float(F.cross_entropy(_forward64(p, pool, idx, start, lo or None),
+            total += float(F.cross_entropy(forward(p, pool, idx, start, lo or None, torch.float64),
                                            pool.y[idx], reduction="sum"))
         return total / len(pick)
 
@@ -185,7 +172,7 @@ def hessian_trace(cache: dict[str, Any], params: dict[str, torch.Tensor],
         base = loss({})
         traces = []
         for _ in range(draws):
-            z = {n: (torch.randint(0, 2, (p64 | lo64)[n].shape, generator=gen) * 2 - 1).double()
+            z = {n: (torch.randint(0, 2, shapes[n], generator=gen) * 2 - 1).double()
                  for n in names}
             plus = loss({n: eps * v for n, v in z.items()})
             minus = loss({n: -eps * v for n, v in z.items()})

@@ -193,8 +193,13 @@ def pool_logits(p: dict[str, torch.Tensor], h: torch.Tensor, mask: torch.Tensor)
 
 
 def forward(p: dict[str, torch.Tensor], split: Split, idx: torch.Tensor, start: int,
-            lora: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+            lora: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
+            ) -> torch.Tensor:
+    """Logits of `idx` from the cached states entering layer `start` (in `dtype`, if given:
+    finite differences of a loss need float64)."""
     h, mask = split.batch(idx, start)
+    if dtype is not None:
+        h, mask = h.to(dtype), mask.to(dtype)
     if start < 6:
         madd = ((1.0 - mask) * torch.finfo(h.dtype).min)[:, None, None, :]
         for i in range(start, 6):
@@ -261,7 +266,7 @@ def fo_ceiling(cache: dict[str, Any], scope: str, lr: float, epochs: int, batch:
     history = []
     started = time.perf_counter()
     acc0 = evaluate(params, ev, start, lora)
-    tr_idx = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(5))[:2000]]
+    tr_idx = train_subset(cache["parts"])
     losses = []
     for ep in range(epochs):
         for idx in bucketed(union, pool.lengths, batch):
@@ -294,6 +299,12 @@ def bucketed(union: torch.Tensor, lengths: torch.Tensor, batch: int) -> list[tor
         part = part[torch.argsort(lengths[part])]
         out += [part[s:s + batch] for s in range(0, len(part) - batch + 1, batch)]
     return [out[i] for i in torch.randperm(len(out)).tolist()]
+
+
+def train_subset(parts: list[np.ndarray], size: int = 2000) -> torch.Tensor:
+    """A fixed `size` of the fleet's pool (seed 5): where every run reports its training loss."""
+    union = torch.from_numpy(np.sort(np.concatenate(parts)))
+    return union[torch.randperm(len(union), generator=torch.Generator().manual_seed(5))[:size]]
 
 
 @torch.no_grad()
@@ -550,8 +561,7 @@ def zo_run(cache: dict[str, Any], run: ZoRun, seed: int, eval_split: str,
     theta = lambda ph: prob.theta0 + prob.scale * ph  # noqa: E731
     curve = [(0, prob.accuracy(theta(phi), ev))]
     # the training loss on a fixed 2,000 of the pool: the objective, less noisy than accuracy
-    union = torch.from_numpy(np.sort(np.concatenate(cache["parts"])))
-    tr_idx = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(5))[:2000]]
+    tr_idx = train_subset(cache["parts"])
     losses = [(0, prob.train_loss(theta(phi), pool, tr_idx))]
     started = time.perf_counter()
     history: list[torch.Tensor] = []

@@ -486,11 +486,10 @@ class ProbeEngine:
         self.stats.copies_per_forward = n
         out: list[float] = []
         rows = _first_rows((), dict(batch))
-        self._stacks = stacks = _Stacks()
         with ExitStack() as stack:
-            stack.callback(stacks.clear)
+            stack.callback(self._stacks.clear)  # a step's stacks die with its recorded outputs
             for c in plan.shared:
-                stack.enter_context(_replaced(c, stacks))
+                stack.enter_context(_replaced(c, self._stacks))
             i = 0
             while i < len(probes):
                 group = probes[i:i + n]
