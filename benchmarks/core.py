@@ -1,4 +1,4 @@
-"""Core benchmarks of issue 2: ZO memory vs inference/SGD/AdamW, ZO step vs forward, replay.
+"""Core benchmarks: ZO memory vs inference/SGD/AdamW, ZO step vs forward, replay.
 
     python benchmarks/core.py [--quick] [--json PATH] [--repeats N] [--threads N] [--strict]
 

@@ -1,4 +1,4 @@
-"""Crash and fault campaign (issue 9): SIGKILL a real coordinator under uploads, restart it,
+"""Crash and fault campaign: SIGKILL a real coordinator under uploads, restart it,
 check that no accepted upload was lost or duplicated, no version committed twice, versions
 contiguous, checksums equal to replay from v0.
 

@@ -6,7 +6,7 @@ message tree deflated; `payload_bytes`), and also with Flower's message envelope
 `message_bytes`). FedAvg's upload per device is the fp32 trainable tensors of the same scope
 of the pretrained MiniLM (head, LoRA r=8 on query/value, full model).
 
-Target (issue 4): upload per device per round <= 4 bytes per scalar + 256 bytes.
+Target: upload per device per round <= 4 bytes per scalar + 256 bytes.
 
     python benchmarks/flower_bytes.py --json runs/flower_bytes.json
 """

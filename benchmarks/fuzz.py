@@ -1,6 +1,6 @@
 """Schemathesis against a real coordinator: no 5xx, and every answer inside the OpenAPI contract.
 
-Issue 9 target: 0 5xx over >= 30,000 schemathesis requests. A `seedfed coordinator` process
+Target: 0 5xx over >= 30,000 schemathesis requests. A `seedfed coordinator` process
 serves on loopback (SQLite or PostgreSQL); one task (a tiny BERT) with an enrolled device and an
 open round is the fixed data the requests reach. Schemathesis loads the coordinator's own
 /openapi.json and generates requests for every operation, positive (inside the schema) and

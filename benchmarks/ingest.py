@@ -1,6 +1,6 @@
 """Upload ingestion throughput and latency of the coordinator on loopback.
 
-Issue 3 target: >= 1,000 uploads/s sustained from 200 concurrent clients, p99 < 100 ms, on
+Target: >= 1,000 uploads/s sustained from 200 concurrent clients, p99 < 100 ms, on
 SQLite; PostgreSQL reported too. The coordinator runs as a real `seedfed coordinator` process
 (uvicorn); 200 keep-alive connections from a separate client process send each enrolled
 device's JSON `Upload` of `--seeds` scalars to the open round, every answer is checked for 200

@@ -59,8 +59,9 @@ class Budget:
     """The fleet and settings of every variant. The fleet and the head's settings are the
     ternary recipe's (client/recipes.py: ternary_recipe): the `head` variant at
     `--batch-size 32` is what `seedfed simulate --format ternary` runs. The latent variants'
-    lr and seeds are the tenth session's TerMeZO recipe's; batch 8 by default, the batch the
-    ninth and tenth sessions' results were measured at."""
+    lr and seeds are the TerMeZO alternate-epoch settings chosen on validation (threshold mask
+    5%, lr 3.3e-4, 4 seeds a step); batch 8 by default, the batch of docs/ternary.md's
+    latent and alternate-epoch results."""
 
     rounds: int = 40
     devices: int = 10

@@ -48,7 +48,7 @@ class LMBudget:
     perturbations: int = 4
     batch_size: int = 8
     # lr and eps: the best of lr 1e-3..1 x eps 1e-3 / 5e-3 (and fraction 0.01 / 0.05 / 0.001)
-    # on the validation split, seed 0, 10 rounds (docs/ternary.md section 4)
+    # on the validation split, seed 0, 10 rounds (docs/ternary.md section 5)
     lr: float = 0.3
     eps: float = 5e-3
     fraction: float = 0.01

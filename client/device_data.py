@@ -58,6 +58,9 @@ class DeviceData:
     # > 0: a label-skewed split instead of the Dirichlet one: device i's majority class
     # (i mod classes) is this fraction of its examples (client.tastes.label_skew_partition)
     label_skew: float = 0.0
+    # What a file's labels may be: the task's (a REST device sets them from the task before it
+    # enrolls); None: any integer >= 0
+    labels: data_mod.LabelSpace | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.label_skew < 1:
@@ -86,7 +89,7 @@ class DeviceData:
 
 
 def load_device_examples(data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
-    """The device's (train, local held-out) examples: its Dirichlet share of the training split.
+    """The device's (train, local held-out) examples: its non-IID share of the training split.
 
     Every device derives the same partition of the same file from the same seed and keeps only
     its own share; nothing about the data is sent anywhere. The per-device taste task
@@ -94,41 +97,69 @@ def load_device_examples(data: DeviceData) -> tuple[data_mod.Examples, data_mod.
     """
     if data.source == tastes.TASTES:
         return tastes.device_examples(data.seed, data.partition_id)
-    train = _training_split(data.source)
-    if 0 < data.pool < len(train):
-        pick = np.random.default_rng([data.seed, 1]).permutation(len(train))[:data.pool]
-        train = train.subset(np.sort(pick))
-    if data.label_skew > 0:
-        parts = tastes.label_skew_partition(train.labels, data.num_partitions, data.label_skew,
-                                            np.random.default_rng(data.seed))
-    else:
-        parts = data_mod.dirichlet_partition(train.labels, data.num_partitions, data.alpha,
-                                             np.random.default_rng(data.seed), min_size=2)
+    train, parts = fleet_shares(data.source, data.num_partitions, data.alpha, data.seed,
+                                data.pool, data.label_skew, data.labels)
     mine = train.subset(parts[data.partition_id])
     n_eval = min(MAX_LOCAL_EVAL, int(len(mine) * data.local_eval_fraction))
     order = np.random.default_rng([data.seed, data.partition_id]).permutation(len(mine))
     return mine.subset(np.sort(order[n_eval:])), mine.subset(np.sort(order[:n_eval]))
 
 
-def _training_split(source: str) -> data_mod.Examples:
-    return dataset_splits(source).train
+@functools.lru_cache(maxsize=4)
+def fleet_shares(source: str, devices: int, alpha: float, seed: int, pool: int = 0,
+                 label_skew: float = 0.0, labels: data_mod.LabelSpace | None = None,
+                 ) -> tuple[data_mod.Examples, tuple[np.ndarray, ...]]:
+    """(the fleet's training examples, every device's indices into them): the partition of a
+    data source, computed once per process and fleet (a simulation's devices in one process
+    share it; each process of a Ray simulation derives the same one from the seed).
+    `data.fleet_partition` gives every device >= 2 examples at any fleet size; a label-skewed
+    split (`label_skew` > 0) is `tastes.label_skew_partition`'s."""
+    train = dataset_splits(source, labels).train
+    if 0 < pool < len(train):
+        pick = np.random.default_rng([seed, 1]).permutation(len(train))[:pool]
+        train = train.subset(np.sort(pick))
+    rng = np.random.default_rng(seed)
+    if label_skew > 0:
+        parts = tastes.label_skew_partition(train.labels, devices, label_skew, rng)
+    else:
+        parts = data_mod.fleet_partition(train.labels, devices, alpha, rng, min_size=2)
+    for p in parts:
+        p.setflags(write=False)  # shared by every device of the fleet in this process
+    return train, tuple(parts)
+
+
+def fleet_texts(data: DeviceData) -> tuple[str, ...]:
+    """Every distinct sentence some device of `data`'s fleet holds (training and local
+    held-out): what a simulation encodes once before round 1 (`seedfed.features.prefill`)."""
+    if data.source == tastes.TASTES:
+        seen = dict.fromkeys(t for p in range(data.num_partitions)
+                             for ex in tastes.device_examples(data.seed, p) for t in ex.texts)
+        return tuple(seen)
+    train, parts = fleet_shares(data.source, data.num_partitions, data.alpha, data.seed,
+                                data.pool, data.label_skew)
+    held = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+    return tuple(train.texts[i] for i in held)
 
 
 @functools.lru_cache(maxsize=4)
-def dataset_splits(source: str) -> data_mod.Splits:
+def dataset_splits(source: str, labels: data_mod.LabelSpace | None = None) -> data_mod.Splits:
     """The fixed train/validation/test split of a data source, the same on every device and
     in the evaluator: SST-2-sized files keep `data.split`'s sizes, small files a 10%/20% cut.
     Cached per process (Examples are immutable): the virtual devices of a simulation in one
-    process parse the file once, not once each."""
+    process parse the file once, not once each. `labels`: what a file's labels may be
+    (`data.load_labelled`)."""
     if source == "builtin":
         from seedfed.client import preference
 
         return data_mod.Splits(train=preference.preference_examples(4000, seed=1),
                                validation=preference.preference_examples(500, seed=2),
                                test=preference.preference_examples(1000, seed=3))
-    examples = data_mod.load_labelled(source)
+    examples = data_mod.load_labelled(source, labels)
     n = len(examples)
-    return data_mod.split(examples, validation=min(1000, n // 10), test=min(2000, n // 5))
+    try:
+        return data_mod.split(examples, validation=min(1000, n // 10), test=min(2000, n // 5))
+    except ValueError as e:  # too few distinct sentences for a split
+        raise data_mod.DataFormatError(f"{source}: {e}", "give more distinct examples") from e
 
 
 

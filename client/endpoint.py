@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from seedfed.shared.coordinator_client import CoordinatorHttpError
+from seedfed.shared.coordinator_client import CoordinatorHttpError, CoordinatorUnreachableError
 from seedfed.shared.wire import RoundPlan
 
 log = logging.getLogger(__name__)
@@ -33,13 +33,25 @@ def poll_rounds(*, current_plan: Callable[[], RoundPlan | None], meta: dict[str,
     """A REST device's main loop: poll for an open round it has not taken part in
     (`meta["last_round"]`), train and upload it with `train`, until `rounds` are done (None:
     until stopped) or `deadline_s` passes. A 409 (the round closed or moved on meanwhile) skips
-    that round; any other refusal is raised."""
+    that round; any other refusal is raised. A coordinator that stops answering while the
+    device polls (a restart, a network outage) is waited for, with one warning per outage."""
     done: list[T] = []
     stop = None if deadline_s is None else time.monotonic() + deadline_s
+    down: CoordinatorUnreachableError | None = None
     while rounds is None or len(done) < rounds:
         if stop is not None and time.monotonic() > stop:
             break
-        plan = current_plan()
+        try:
+            plan = current_plan()
+        except CoordinatorUnreachableError as e:
+            if down is None:
+                log.warning("%s; retrying every %g s", e.what, poll_s)
+            down = e
+            time.sleep(poll_s)
+            continue
+        if down is not None:
+            log.warning("the coordinator at %s answers again", down.url)
+            down = None
         if plan is None or plan.round <= int(meta.get("last_round", 0)):
             time.sleep(poll_s)
             continue

@@ -202,9 +202,12 @@ def evaluate(message: Message, context: Context, data: DeviceData,
                                f"{result.checksum[:16]}..., coordinator has "
                                f"{ins.checksum[:16]}...")
     _, local_eval = RUNTIME.examples(data.with_node_config(context.node_config))
+    if not len(local_eval):  # a small device of a large fleet holds no held-out example:
+        # it reports where it stands, no accuracy (a 0 would read as a device scoring 0)
+        return Message(SyncRes(result.version, result.checksum).to_record(), reply_to=message)
     acc, loss = device.evaluate(local_eval)
     scores = device.evaluate_personal(local_eval)
-    reply = SyncRes(result.version, result.checksum, acc, loss, max(len(local_eval), 1),
+    reply = SyncRes(result.version, result.checksum, acc, loss, len(local_eval),
                     personal_accuracy=None if scores is None else scores.personal,
                     local_only_accuracy=None if scores is None else scores.local)
     return Message(reply.to_record(), reply_to=message)

@@ -10,7 +10,9 @@ It runs its own copy of the base model (`model`), so the coordinator's `model_pa
 exist on the device.
 
 The device itself (model, catch-up, training) is `client.device.Device`; this module is its REST
-transport and its state directory (`DirectoryStore`).
+transport and its state directory (`DirectoryStore`). Before it enrolls (or, enrolled, before
+it polls) a device checks the coordinator, its token, its data against the task and its model
+(`prepare`, `client.preflight`): a device that cannot train never enrolls.
 
 A ternary task (scope "ternary") holds its model packed (`client.ternary.PackedTernary`) and
 downloads the published ternary snapshot (`?format=ternary`), never the fp32 master: at join
@@ -39,6 +41,7 @@ from typing import Any
 
 import httpx
 from seedfed.client import data as data_mod
+from seedfed.client import preflight
 from seedfed.client.catchup import CatchupMeters, sync_by_cost
 from seedfed.client.device import FP32, Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
@@ -101,7 +104,7 @@ class DirectoryStore:
     a ternary task's snapshot. Files are replaced atomically."""
 
     def __init__(self, path: Path, task_id: str) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        # made on the first write: a device that fails its checks leaves nothing behind
         self.path, self.task_id = path, task_id
         self.meta: dict[str, Any] = self._read_meta()
 
@@ -109,8 +112,12 @@ class DirectoryStore:
         path = self.path / META_FILE
         if not path.is_file():
             return {}
-        meta = json.loads(path.read_text())
-        if meta.get("task_id") != self.task_id:
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise preflight.DeviceSetupError(f"{path} is unreadable ({e})",
+                                             "move it away or use another --state-dir") from e
+        if not isinstance(meta, dict) or meta.get("task_id") != self.task_id:
             raise ValueError(f"{self.path} belongs to task {meta.get('task_id')!r}, not "
                              f"{self.task_id!r}; use another --state-dir")
         return dict(meta)
@@ -124,6 +131,7 @@ class DirectoryStore:
         return str(meta["task_id"])
 
     def write_meta(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
         path = self.path / META_FILE
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the token
@@ -169,7 +177,10 @@ class HttpDevice:
         self.http = client or httpx.Client(base_url=config.url, timeout=config.timeout_s)
         self.state_dir = config.state_dir
         self.store = DirectoryStore(config.state_dir, config.task_id)
-        self.device: Device | None = None  # built on the first sync
+        self.device: Device | None = None  # built by `prepare` or on the first sync
+        #: The data bound to the task's labels (`prepare`); the configured data until then.
+        self.data: DeviceData = config.data
+        self._prepared = False
         self._split: tuple[data_mod.Examples, data_mod.Examples] | None = None
         #: The device's own link, replay and load rates: they choose replay or snapshot.
         self.meters = CatchupMeters(config.bandwidth)
@@ -199,12 +210,31 @@ class HttpDevice:
         return model if isinstance(model, PackedTernary) else None
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check, before taking part, what a round needs: the data file, the coordinator and
+        this device's token (its join token before it enrolls), the data against the task's
+        labels, the model (loaded here). Raises DeviceSetupError or DataFormatError, having
+        enrolled nothing (`client.preflight`)."""
+        if self._prepared:
+            return
+        preflight.check_data_file(self.config.data)
+        raw = preflight.read_task(self.http, self.config.task_id,
+                                  device_token=self.meta.get("token"),
+                                  join_token=self.config.join_token)
+        self.data, self._split = preflight.task_examples(self.config.data,
+                                                         TaskSpec.from_dict(raw))
+        if self.device is None:
+            self._build_device(raw)
+        self._prepared = True
+
     def enroll(self) -> str:
-        """Enroll once with the join token; later runs reuse the stored device token."""
+        """Enroll once with the join token, after `prepare`; later runs reuse the stored
+        device token."""
         if "token" in self.meta:
             return str(self.meta["device_id"])
         if not self.config.join_token:
             raise SeedfedError("this device has no token yet: pass the task's join token")
+        self.prepare()
         device_id, token = CoordinatorClient(self.http).enroll(self.config.task_id,
                                                                self.config.join_token)
         self.meta.update(device_id=device_id, token=token)
@@ -215,18 +245,27 @@ class HttpDevice:
         """The task's model on this device's own copy of the base weights, with the state of
         the state directory when it verifies (else the next sync downloads a snapshot)."""
         if self.device is None:
-            raw = self.api.spec(self.config.task_id)
-            spec = TaskSpec.from_dict(raw)
-            _write_atomic(self.state_dir / TASK_FILE, json.dumps(raw).encode())
-            if self.config.model:
-                spec = replace(spec, model_path=self.config.model)
-            self.device = Device(spec, self.config.task_id, self.store,
-                                 personal=self.config.personal)
-            try:
-                self.device.resume()
-            except DeviceStateError as e:
-                log.warning("%s; will download a snapshot", e)
+            self._build_device(self.api.spec(self.config.task_id))
+        assert self.device is not None
         return self.device
+
+    def _build_device(self, raw: dict[str, Any]) -> None:
+        spec = TaskSpec.from_dict(raw)
+        if self.config.model:
+            spec = replace(spec, model_path=self.config.model)
+        try:
+            device = Device(spec, self.config.task_id, self.store, personal=self.config.personal)
+        except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
+            raise preflight.model_error(
+                e, spec.model_path, option="--model" if self.config.model else
+                "the task's model_path", hint="give --model this device's copy of the task's "
+                "base model (a Hugging Face directory: config.json, tokenizer, weights)") from e
+        _write_atomic(self.state_dir / TASK_FILE, json.dumps(raw).encode())
+        self.device = device
+        try:
+            device.resume()
+        except DeviceStateError as e:
+            log.warning("%s; will download a snapshot", e)
 
     def sync(self, target: int | None = None) -> SyncResult:
         """Catch up to `target` (default: the task's current version), verified: the log or
@@ -242,7 +281,7 @@ class HttpDevice:
 
     def _examples(self) -> tuple[data_mod.Examples, data_mod.Examples]:
         if self._split is None:
-            self._split = load_device_examples(self.config.data)
+            self._split = load_device_examples(self.data)
         return self._split
 
     def examples(self) -> data_mod.Examples:
@@ -259,7 +298,7 @@ class HttpDevice:
     def train_and_upload(self, plan: RoundPlan) -> RoundOutcome:
         """Catch up to the plan's version, run its steps, upload the scalars (binary form)."""
         sync = self.sync(plan.version)
-        trained = self.load_device().train(plan, self.examples(), self.config.data)
+        trained = self.load_device().train(plan, self.examples(), self.data)
         sent = self.api.upload(plan.task_id, plan.round, plan.version, trained.scalars,
                                trained.num_examples, trained.loss)
         self.meta["last_round"] = plan.round
@@ -288,14 +327,22 @@ class HttpDevice:
 
     def run(self, rounds: int | None = None, deadline_s: float | None = None,
             ) -> list[RoundOutcome]:
-        """Take part in `rounds` rounds (None: until stopped), polling for open rounds."""
+        """Take part in `rounds` rounds (None: until stopped), polling for open rounds. A
+        refusal of the device's token (revoked meanwhile) raises DeviceSetupError."""
+        self.prepare()
         self.enroll()
-        return poll_rounds(current_plan=self.current_plan, meta=self.meta,
-                           train=self.train_and_upload, poll_s=self.config.poll_s,
-                           rounds=rounds, deadline_s=deadline_s)
+        try:
+            return poll_rounds(current_plan=self.current_plan, meta=self.meta,
+                               train=self.train_and_upload, poll_s=self.config.poll_s,
+                               rounds=rounds, deadline_s=deadline_s)
+        except CoordinatorHttpError as e:
+            if e.status in (401, 403, 404):
+                raise preflight.refusal(e, join=False) from None
+            raise
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)

@@ -26,13 +26,16 @@ answers it from its feature cache) and 2P probes that are one small matrix produ
 features of one batch at a time are held, so a device stays at inference memory.
 
 The personal state (safetensors) carries the task id and a fingerprint of the model it was
-trained on; a state of another task, another model or a corrupt file is refused with a clear
-message and rebuilt from scratch, never applied, and the shared state is never touched.
+trained on (`model_fingerprint`: the exact bits of the model's frozen weights, so a restart under
+another thread count or kernel keeps it); a state of another task, another model or a corrupt
+file is refused with a clear message and rebuilt from scratch, never applied, and the shared
+state is never touched.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -57,6 +60,11 @@ log = logging.getLogger(__name__)
 METHODS: tuple[str, ...] = ("residual", "ditto", "fedper", "off")
 #: `format` in a personal state file's metadata.
 FORMAT = "seedfed-personal/1"
+#: `identity` in a personal state file's metadata: how its `fingerprint` names the model
+#: (`model_fingerprint`). A state without it carries the earlier, rounded fingerprint
+#: (`legacy_fingerprints`): accepted when it is this model's, and rewritten with the exact one
+#: at the device's next save.
+IDENTITY = "exact-frozen-sha256"
 #: Texts per forward when computing features for the personal head (the batch a device
 #: scores its held-out set with, `device_data.local_accuracy`: no larger activations).
 FEATURE_BATCH = 32
@@ -85,7 +93,7 @@ class PersonalConfig:
     #: c of the bias entries (theta = c phi, SPSA on phi: the bias's probes are eps c z and its
     #: steps c^2 lr), as the recipes' `HEAD_STEP_SCALES` do for the shared head: the bias's
     #: constant feature gives it the largest curvature, which otherwise caps the lr that the
-    #: weights' directions can take (docs/accuracy.md, "Fifth session")
+    #: weights' directions can take (docs/accuracy.md, "Why each setting")
     bias_scale: float = 0.1
     #: Apply the personal part only to inputs near the examples it trained on, the shared model
     #: elsewhere (`client.personal_gate`; docs/personalization.md, "The evidence gate").
@@ -182,29 +190,73 @@ def features(bundle: ModelBundle, examples: data_mod.Examples,
 
 
 @torch.no_grad()
-def model_fingerprint(bundle: ModelBundle, prototype: Head) -> str:
-    """What a personal state was trained on: the task's model kind, labels and label texts,
-    the shape and a sample of the exact values of every frozen parameter (the tensors the
-    shared scope does not train: another base model differs there) and the prototype head,
-    rounded so that a kernel's float noise does not matter. No arithmetic on the weights: a
-    float64 sum of a large embedding matrix would cost a device more memory than its personal
-    part, and float32 sums depend on the thread count."""
+def model_fingerprint(bundle: ModelBundle) -> str:
+    """What a personal state was trained on, exactly: the task's model kind, labels and label
+    texts, the head's width, and a SHA-256 of the exact bytes (name, dtype, shape, values) of
+    every frozen parameter, the tensors the shared scope does not train (another base model
+    differs there). Only bits the model files fix: nothing computed, so the fingerprint is
+    the same under any thread count or kernel (a forward's float noise, such as the prototype
+    head's, never enters it). Hashed tensor by tensor from the parameters' own memory: no
+    copy of the model."""
     spec = bundle.spec
-    trained = {t.tensor.data_ptr() for t in bundle.scope}
-    head_ptrs = {p.data_ptr() for p in head_module(bundle.model).parameters()}
-    frozen = [[name, list(p.shape), _sample(p)]
-              for name, p in bundle.model.named_parameters()
-              if p.data_ptr() not in trained and p.data_ptr() not in head_ptrs]
-    desc = {"model_kind": spec.model_kind, "num_labels": spec.num_labels,
-            "label_texts": list(spec.label_texts), "hidden": prototype.hidden,
-            "frozen": frozen,
-            "prototype": [float(f"{v:.3g}") for v in prototype.theta.tolist()]}
+    digest = hashlib.sha256()
+    for name, p in _frozen(bundle):
+        t = p.detach().contiguous()
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    head = head_module(bundle.model)
+    desc = {"identity": IDENTITY, "model_kind": spec.model_kind, "num_labels": spec.num_labels,
+            "label_texts": list(spec.label_texts), "hidden": head.in_features,
+            "frozen": digest.hexdigest()}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
+def _frozen(bundle: ModelBundle) -> list[tuple[str, torch.Tensor]]:
+    """The parameters neither the shared scope nor the head trains, in the model's order."""
+    trained = {t.tensor.data_ptr() for t in bundle.scope}
+    head_ptrs = {p.data_ptr() for p in head_module(bundle.model).parameters()}
+    return [(name, p) for name, p in bundle.model.named_parameters()
+            if p.data_ptr() not in trained and p.data_ptr() not in head_ptrs]
+
+
+@torch.no_grad()
+def legacy_fingerprints(bundle: ModelBundle, prototype: Head, *, slack: float = 2e-3,
+                        max_ambiguous: int = 10) -> set[str]:
+    """The fingerprints a `seedfed-personal/1` state written before `IDENTITY` may carry for
+    this model: that scheme hashed the prototype head rounded to 3 significant digits, which
+    a kernel's float noise can move across a rounding boundary. Every value of the prototype
+    within `slack` (relative, in units of its last kept digit) of a boundary is tried both
+    ways (at most `max_ambiguous` of them: 2^10 hashes), so a state written by this model
+    under another thread count is recognised, and one of another model is not."""
+    spec = bundle.spec
+    frozen = [[name, list(p.shape), _sample(p)] for name, p in _frozen(bundle)]
+    base = {"model_kind": spec.model_kind, "num_labels": spec.num_labels,
+            "label_texts": list(spec.label_texts), "hidden": prototype.hidden,
+            "frozen": frozen}
+    rounded = [float(f"{v:.3g}") for v in prototype.theta.tolist()]
+    ambiguous: list[tuple[int, float]] = []
+    for i, v in enumerate(prototype.theta.tolist()):
+        if v == 0.0 or not math.isfinite(v):
+            continue
+        unit = 10.0 ** (math.floor(math.log10(abs(v))) - 2)  # the 3rd significant digit's
+        frac = abs(v) / unit % 1.0
+        if abs(frac - 0.5) < slack:  # near a rounding boundary: the other side's value
+            other = math.copysign((math.floor(abs(v) / unit) + (frac < 0.5)) * unit, v)
+            ambiguous.append((i, float(f"{other:.3g}")))
+    out = set()
+    for choice in itertools.product((False, True), repeat=min(len(ambiguous), max_ambiguous)):
+        values = list(rounded)
+        for (i, other), flip in zip(ambiguous, choice, strict=False):
+            if flip:
+                values[i] = other
+        desc = base | {"prototype": values}
+        out.add(hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest())
+    return out
+
+
 def _sample(t: torch.Tensor, n: int = 64) -> str:
-    """SHA-256 of the exact bytes of n evenly strided elements of a tensor (a strided view
-    and an n-element copy: nothing of the tensor's size)."""
+    """SHA-256 of the exact bytes of n evenly strided elements of a tensor (the legacy
+    fingerprint's sample of a frozen parameter)."""
     flat = t.detach().reshape(-1)
     picked = flat[:: max(1, flat.numel() // n)][:n].contiguous()
     return hashlib.sha256(picked.numpy().tobytes()).hexdigest()[:16]
@@ -220,7 +272,7 @@ class PersonalPart:
         # Built before any snapshot is loaded: the head is still the task's prototype head
         # (computed by build_model on both sides), the local-only reference's start.
         self.prototype = shared_head(bundle.model)
-        self.fingerprint = model_fingerprint(bundle, self.prototype)
+        self.fingerprint = model_fingerprint(bundle)
         self.personal: Head | None = None
         self.local: Head | None = None
         self.gate: EvidenceGate | None = None  # anchors of the last personal round
@@ -245,6 +297,7 @@ class PersonalPart:
         if self.gate is not None:
             tensors["anchors"] = self.gate.anchors
         meta = {"format": FORMAT, "task": self.task_id, "fingerprint": self.fingerprint,
+                "identity": IDENTITY,
                 "method": self.config.method, "rounds": str(self.rounds),
                 "labels": str(self.prototype.labels), "hidden": str(self.prototype.hidden)}
         if self.gate is not None:
@@ -264,7 +317,10 @@ class PersonalPart:
         if meta.get("task") != self.task_id:
             raise PersonalStateError(f"personal state belongs to task {meta.get('task')!r}, "
                                      f"not {self.task_id!r}")
-        if meta.get("fingerprint") != self.fingerprint:
+        if meta.get("fingerprint") != self.fingerprint and (
+                meta.get("identity") == IDENTITY
+                or meta.get("fingerprint") not in legacy_fingerprints(self.bundle,
+                                                                      self.prototype)):
             raise PersonalStateError("personal state was trained on another model (its "
                                      "fingerprint differs from this device's model)")
         if meta.get("method") != self.config.method:

@@ -47,16 +47,16 @@ def default_model_path() -> str:
     return str(get_model_path())
 
 
-#: SST-2 hyperparameters (docs/accuracy.md, "Fifth session"). The bias's step scale is what
-#: lets lr be 16: its curvature (feature 1) is ~6x that of the head's largest weight direction
-#: (the mean embedding, |mu| = 0.4), so at c = 1 the bias caps the stable lr near 4 while the
-#: weights' bulk directions (curvature ~1/140 of the top one) need far larger steps. 256 seeds a
-#: round then pay: at lr 16 the estimate's variance, not the step count, is the limit. Sixth
-#: session: the lr decays on a cosine from 32 to 3.2 over the run's rounds, so the last
-#: rounds' steps shrink and the final version is not the top of a late swing (at a constant
-#: lr 16 the test curve peaked at round 200 and fell back by a point); with the decay a larger
-#: start lr and 512 seeds pay on validation (.853 vs .840 for lr 24 and 256 seeds; on test the
-#: two are equal, 0.819 vs 0.820: docs/accuracy.md "Sixth session").
+#: SST-2 hyperparameters (docs/accuracy.md, "Why each setting"). The bias's step scale is what
+#: lets the lr be large: its curvature (feature 1) is ~6x that of the head's largest weight
+#: direction (the mean embedding, |mu| = 0.4), so at c = 1 the bias caps the stable lr near 4
+#: while the weights' bulk directions (curvature ~1/140 of the top one) need far larger steps.
+#: Many seeds a round then pay: the estimate's variance, not the step count, is the limit. The
+#: lr decays on a cosine from 32 to 3.2 over the run's rounds, so the last rounds' steps shrink
+#: and the final version is not the top of a late swing (at a constant lr 16 the test curve
+#: peaked at round 200 and fell back by a point); with the decay a larger start lr and 512
+#: seeds pay on validation (.853 vs .840 for lr 24 and 256 seeds; on test the two are equal,
+#: 0.819 vs 0.820).
 SST2_HYPER = Hyper(lr=32.0, eps=1e-3, steps=1, perturbations=512, batch_size=16,
                    decay_rounds=300, lr_final_ratio=0.1)
 #: c_t of the head's bias (`TaskSpec.step_scales`): its steps and perturbations are 0.1 x the
@@ -67,14 +67,14 @@ HEAD_STEP_SCALES: tuple[tuple[str, float], ...] = (("classifier.bias", 0.1),)
 #: output projection, beside the head (a peft `modules_to_save` copy). Every probe shares the
 #: whole model below that projection's 1,536-wide input (`shared.probes`), so a probe costs a
 #: few percent of a layer, and the first-order ceiling is 1.7 points above the head's
-#: (docs/accuracy.md, "Body scopes").
+#: (docs/accuracy.md, "The body").
 BODY_LORA = LoraOptions(r=8, alpha=16, target_modules=("layer.5.output.dense",), train_head=True)
 #: c_t of the adapters (`TaskSpec.step_scales`): theta = theta0 + c phi with SPSA on phi, so the
 #: adapters' steps and perturbations are c times the head's (the loss is far more sensitive to
 #: them; with c = 1 the scalars are dominated by their directions and the head stops learning).
 BODY_STEP_SCALES: tuple[tuple[str, float], ...] = (("lora_", 0.03),)
-#: Not re-tuned with the head's bias scale (docs/accuracy.md, "Fifth session": the body at
-#: lr 16 was measured to round 50 only).
+#: Not tuned with the head's bias scale: the body at lr 16 was measured to round 50 only (it
+#: does not beat the head: docs/accuracy.md, "The body").
 SST2_BODY_HYPER = Hyper(lr=4.0, eps=1e-3, steps=1, perturbations=32, batch_size=16)
 
 #: Shared-model formats the SST-2 recipe is measured for (docs/accuracy.md).
@@ -125,8 +125,8 @@ def preference_recipe(model_path: str | None = None) -> Recipe:
     return Recipe(spec=spec, rounds=30, per_round=5, devices=10)
 
 
-#: The per-device-taste task (`client.tastes`, the default of `seedfed simulate`), sixth
-#: session, chosen on validation fleets (generator seeds 1-3; docs/personalization.md). The
+#: The per-device-taste task (`client.tastes`, the default of `seedfed simulate`), chosen on
+#: validation fleets (generator seeds 1-3; docs/personalization.md). The
 #: head's bias is scaled as in the SST-2 recipe, which lets the weights take lr 8; 16 seeds a
 #: step. 20 devices, all every round: a fleet of 10 holds ~5 opinions of each topic, too few
 #: for the shared model to learn the population's taste (the personalized devices' gain over
@@ -146,19 +146,18 @@ def tastes_recipe(model_path: str | None = None) -> Recipe:
     return Recipe(spec=spec, rounds=30, per_round=TASTES_DEVICES, devices=TASTES_DEVICES)
 
 
-#: A ternary classifier's recipe (docs/ternary.md, "Eleventh session"), chosen on the
-#: validation split: the float head alone on the packed ternary encoder (mask selection
-#: 'none' + train_head), with the SST-2 head recipe's conditioning (lr 32 on a cosine to a
-#: tenth, bias step scale 0.1, 512 seeds a step, every probe sharing the frozen encoder's
-#: forward) and 32 examples a device step. On validation (seed 0, 40 rounds x 10 devices)
-#: it reached 0.844 from 0.797, where the TerMeZO recipe it replaces (alternate mask epochs:
-#: the head, then the threshold mask over 5% of the latents at 4 seeds a step) reached 0.825
-#: at batch 32 and 0.820 at batch 8, in 1.6 x the wall time: at the budgets these CPUs allow,
-#: the masked latents add nothing measurable (ninth to eleventh sessions). The TerMeZO
-#: variants stay a scope option away (`benchmarks/ternary_fed.py --variants`). No latent
-#: trains, so mask epochs would only re-ship unchanged snapshots: one epoch spans the run.
-#: Every device every round: with half the fleet a round, the head swung by 2-4 points with
-#: the sampled devices' label skew (tenth session).
+#: A ternary classifier's recipe (docs/ternary.md, section 3), chosen on the validation
+#: split: the float head alone on the packed ternary encoder (mask selection 'none' +
+#: train_head), with the SST-2 head recipe's conditioning (lr 32 on a cosine to a tenth, bias
+#: step scale 0.1, 512 seeds a step, every probe sharing the frozen encoder's forward) and 32
+#: examples a device step. On validation (seed 0, 40 rounds x 10 devices) it reached 0.844
+#: from 0.797, where TerMeZO's alternate mask epochs (the head, then the threshold mask over 5%
+#: of the latents at 4 seeds a step) reached 0.825 at batch 32 and 0.820 at batch 8, in 1.6 x
+#: the wall time: at the budgets these CPUs allow, the masked latents add nothing measurable
+#: (docs/ternary.md, section 4). The TerMeZO variants stay a scope option away
+#: (`benchmarks/ternary_fed.py --variants`). No latent trains, so mask epochs would only
+#: re-ship unchanged snapshots: one epoch spans the run. Every device every round: with half
+#: the fleet a round, the head swung by 2-4 points with the sampled devices' label skew.
 TERNARY_ROUNDS = 40
 TERNARY_OPTIONS = TernaryOptions(selection="none", train_head=True,
                                  epoch_rounds=TERNARY_ROUNDS)

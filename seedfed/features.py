@@ -51,6 +51,9 @@ _DIM = struct.Struct("<I")
 AUTO, RUN = "auto", "run"
 #: A run directory's own store (`store_root(RUN, ...)`).
 RUN_DIR_NAME = "features"
+#: `prefill`'s smallest chunk of sentences per job (a job loads nothing, but each chunk pays
+#: one part-filled canonical group per sentence length).
+PREFILL_CHUNK_MIN = 256
 
 
 def store_root(setting: str, run_dir: Path) -> Path:
@@ -165,45 +168,51 @@ class SharedFeatures:
         self._space(namespace).write(rows)
 
 
-def prefill(store: SharedFeatures, spec: Any, data: Any, devices: int, workers: int,
+def prefill(store: SharedFeatures, spec: Any, texts: Sequence[str], workers: int,
             progress: Callable[[int, int], None] | None = None) -> int:
-    """Encode every device's data (its training and local held-out examples, `data` with each
-    partition id) into `store` before the first round, in `workers` processes; returns the
-    rows encoded. Without it the first round pays for the whole encoding inside the devices'
-    first messages, which on a loaded machine passed the 600 s round timeout (devices then
-    miss round 1). `progress(done, devices)` is called as partitions finish. A no-op for a
-    model without a feature cache."""
-    from dataclasses import replace
-
-    base = replace(data, partition_id=0)
-    workers = max(1, min(workers, devices))
-    if workers == 1:
+    """Encode `texts` (a fleet's sentences, `client.device_data.fleet_texts`) into `store`
+    before the first round, in `workers` processes; returns the rows encoded. Without it the
+    first round pays for the whole encoding inside the devices' first messages, which on a
+    loaded machine passed the 600 s round timeout (devices then miss round 1).
+    `progress(done, total)` counts sentences as chunks finish. The texts are encoded in chunks
+    of similar length (few part-filled canonical groups), so the cost is the sentences',
+    whatever the number of devices holding them. A no-op for a model without a feature
+    cache."""
+    ordered = sorted(dict.fromkeys(texts), key=len)
+    if not ordered:
+        return 0
+    workers = max(1, workers)
+    size = max(PREFILL_CHUNK_MIN, -(-len(ordered) // (4 * workers)))
+    chunks = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    if workers == 1 or len(chunks) == 1:
         _open_worker(str(store.root), spec.to_dict())
         try:
-            return _tally((_encode_partition(base, p) for p in range(devices)), devices,
-                          progress)
+            return _tally(((len(c), _encode(c)) for c in chunks), len(ordered), progress)
         finally:
             _WORKER.clear()  # this process keeps no model of prefill's
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    # one model per worker process (its initializer), one job per partition, so the bar moves
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+    # one model per worker process (its initializer), a few chunks per worker, so the bar moves
+    with ProcessPoolExecutor(min(workers, len(chunks)),
+                             mp_context=multiprocessing.get_context("spawn"),
                              initializer=_open_worker,
                              initargs=(str(store.root), spec.to_dict())) as ex:
-        jobs = [ex.submit(_encode_partition, base, p) for p in range(devices)]
-        return _tally((job.result() for job in as_completed(jobs)), devices, progress)
+        jobs = {ex.submit(_encode, c): len(c) for c in chunks}
+        return _tally(((jobs[job], job.result()) for job in as_completed(jobs)), len(ordered),
+                      progress)
 
 
-def _tally(encoded: Iterable[int], devices: int,
+def _tally(encoded: Iterable[tuple[int, int]], total: int,
            progress: Callable[[int, int], None] | None) -> int:
-    """The rows encoded over the partitions, reporting each partition as it finishes."""
-    total = 0
-    for done, rows in enumerate(encoded, start=1):
-        total += rows
+    """The rows encoded over the chunks ((sentences, rows encoded) each), reporting the
+    sentences done as each chunk finishes."""
+    done = rows = 0
+    for sentences, encoded_rows in encoded:
+        done, rows = done + sentences, rows + encoded_rows
         if progress is not None:
-            progress(done, devices)
-    return total
+            progress(done, total)
+    return rows
 
 
 #: A `prefill` worker's model (None: the model caches nothing), built once per process.
@@ -225,19 +234,14 @@ def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
     _WORKER.update(bundle=bundle, inner=inner, max_len=spec.max_seq_len)
 
 
-def _encode_partition(data: Any, partition: int) -> int:
-    """One partition's examples, encoded into the store by this worker's model."""
-    from dataclasses import replace
-
-    from seedfed.client.device_data import load_device_examples
+def _encode(texts: Sequence[str]) -> int:
+    """One chunk of sentences, encoded into the store by this worker's model."""
     from seedfed.shared.models import expect_texts
 
     bundle = _WORKER["bundle"]
     if bundle is None:
         return 0
-    train, held = load_device_examples(replace(data, partition_id=partition))
-    texts = list(train.texts) + list(held.texts)
-    expect_texts(bundle.model, bundle.tokenizer, texts, _WORKER["max_len"])
+    expect_texts(bundle.model, bundle.tokenizer, list(texts), _WORKER["max_len"])
     encoded = int(_WORKER["inner"].warm())
-    _WORKER["inner"].clear_cache()  # the store holds them; a worker's memory stays one partition's
+    _WORKER["inner"].clear_cache()  # the store holds them; a worker's memory stays one chunk's
     return encoded

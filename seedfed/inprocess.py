@@ -5,9 +5,10 @@ fleet, but its per-message cost (serialization, actor scheduling) dominates when
 work is a few milliseconds, as for a cached head probe. `InProcessGrid` is the same contract
 (`flwr.serverapp.Grid`) with the transport removed: `send_and_receive` calls the ClientApp on
 every message in turn, with one `Context` per virtual node that persists between rounds, as a
-SuperNode's does. Everything above the transport is unchanged: the strategy, the coordinator's
-round close, the ClientApp and the device core it wraps. So `seedfed simulate --engine inprocess`
-and the accuracy benchmark run the very round code a deployment runs.
+SuperNode's does (made when the node first gets a message, so a fleet of 10,000 devices costs
+what its sampled ones hold). Everything above the transport is unchanged: the strategy, the
+coordinator's round close, the ClientApp and the device core it wraps. So `seedfed simulate
+--engine inprocess` and the accuracy benchmark run the very round code a deployment runs.
 
 An exception raised by the ClientApp becomes an error reply, as in Flower's runtime.
 """
@@ -33,10 +34,11 @@ class InProcessGrid(Grid):
         if not node_configs:
             raise ValueError("an in-process grid needs at least one node")
         self.app = app
-        # Node ids start at 1: Flower reserves 0 for the SuperLink side.
-        self._contexts = {i + 1: Context(run_id=run_id, node_id=i + 1, node_config=dict(cfg),
-                                         state=RecordDict(), run_config=dict(run_config or {}))
-                          for i, cfg in enumerate(node_configs)}
+        self._run_id, self._run_config = run_id, dict(run_config or {})
+        self._node_configs = node_configs
+        # Node ids start at 1: Flower reserves 0 for the SuperLink side. A node's Context is
+        # made when it first gets a message: a fleet costs what its sampled devices hold.
+        self._contexts: dict[int, Context] = {}
         self._run = Run.create_empty(run_id)
         # Flower's runtime sets the process's task identity before a ServerApp runs, and every
         # Message built afterwards takes its run id from it; this process is that runtime here.
@@ -58,7 +60,7 @@ class InProcessGrid(Grid):
                        group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self._contexts)
+        return range(1, len(self._node_configs) + 1)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
@@ -80,14 +82,19 @@ class InProcessGrid(Grid):
     # -- delivery ----------------------------------------------------------------------------
     def context(self, node_id: int) -> Context:
         """The persistent Context of a virtual node (its device state lives in `state`)."""
+        if node_id not in self._contexts:
+            self._contexts[node_id] = Context(
+                run_id=self._run_id, node_id=node_id, state=RecordDict(),
+                node_config=dict(self._node_configs[node_id - 1]),
+                run_config=dict(self._run_config))
         return self._contexts[node_id]
 
     def _deliver(self, message: Message) -> Message:
         node_id = message.metadata.dst_node_id
-        if node_id not in self._contexts:
+        if not 1 <= node_id <= len(self._node_configs):
             return Message(Error(code=0, reason=f"no node {node_id} on this grid"),
                            reply_to=message)
         try:
-            return self.app(message, self._contexts[node_id])
+            return self.app(message, self.context(node_id))
         except Exception as e:  # noqa: BLE001 - Flower's runtime turns any failure into a reply
             return Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=message)

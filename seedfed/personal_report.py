@@ -4,7 +4,7 @@ Each device with a personal part reports, in the sync phase, its held-out accura
 shared model alone, with shared + personal, and with a local-only head (client/personal.py;
 numbers only). `seedfed simulate` keeps the last report of every device (`report.json`
 `devices`, `DeviceRow`), the fleet's mean and worst decile per round (`fleet_accuracy`) and in
-total (`personalization_summary`), prints them as a table and plots them (`plot_devices`).
+total (`personalization_summary`) and prints them as a table (`seedfed.report` plots them).
 """
 
 from __future__ import annotations
@@ -55,29 +55,6 @@ def fleet_accuracy(row: Any, scores: dict[int, tuple[float, float | None, float 
     row.shared_accuracy_worst_decile = worst_decile(shared)
     row.personal_accuracy_mean = sum(personal) / len(personal)
     row.personal_accuracy_worst_decile = worst_decile(personal)
-
-
-def plot_devices(ax: Any, devices: list[DeviceRow]) -> None:
-    """Grouped bars per device: shared, personalized, local-only held-out accuracy, with the
-    fleet means as dashed lines."""
-    xs = range(len(devices))
-    kinds = [("shared", "shared_accuracy", "tab:gray"),
-             ("shared + personal", "personal_accuracy", "tab:blue"),
-             ("local only", "local_accuracy", "tab:orange")]
-    width = 0.8 / len(kinds)
-    for k, (label, attr, color) in enumerate(kinds):
-        values = [getattr(d, attr) for d in devices]
-        if any(v is None for v in values):
-            continue
-        ax.bar([x - 0.4 + (k + 0.5) * width for x in xs], values, width, color=color,
-               label=f"{label} (mean {sum(values) / len(values):.3f})")
-        ax.axhline(sum(values) / len(values), color=color, linestyle="--", linewidth=1)
-    ax.set_xticks(list(xs), [str(d.device) for d in devices])
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("device")
-    ax.set_ylabel("device held-out accuracy")
-    ax.set_title("Per device: shared vs personalized")
-    ax.legend(loc="lower right", fontsize=7)
 
 
 def devices_table(devices: list[DeviceRow]) -> Any:

@@ -1,4 +1,4 @@
-"""`seedfed protocol check URL`: a self-test of a live coordinator against the protocol.
+"""`seedfed protocol check --url URL`: a self-test of a live coordinator against the protocol.
 
 It checks what a device depends on, with the reference implementation as the judge:
 
@@ -26,8 +26,13 @@ import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorHttpError,
+    CoordinatorUnreachableError,
+)
 from seedfed.shared.messages import Routes
+from seedfed.shared.redact import redact_url, remember
 from seedfed.shared.replay import apply_seeds, checksum, state_checksum
 from seedfed.shared.scopes import Scope, ScopedTensor
 from seedfed.shared.task import TaskSpec
@@ -151,6 +156,20 @@ def run_checks(http: httpx.Client, token: str | None = None, task: str | None = 
         except (CoordinatorHttpError, ValueError, KeyError) as e:
             checks.append(Check(f"{task_id}: readable", False, f"{type(e).__name__}: {e}"))
     return checks
+
+
+def check_coordinator(url: str, token: str | None = None, task: str | None = None,
+                      timeout_s: float = 120.0) -> list[Check]:
+    """`run_checks` against the coordinator at `url`; one that does not answer at all raises
+    CoordinatorUnreachableError (its URL, never a header) instead of a list of failures."""
+    remember(token)
+    base = url.rstrip("/")
+    try:
+        with httpx.Client(base_url=base, timeout=timeout_s) as http:
+            return run_checks(http, token=token, task=task)
+    except httpx.TransportError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CoordinatorUnreachableError(redact_url(base), reason) from None
 
 
 def summary(checks: list[Check]) -> dict[str, Any]:

@@ -8,14 +8,19 @@ engines: Flower's Simulation Engine (`engine="flower"`, a Ray actor per CPU) or 
 grid (`engine="inprocess"`, `seedfed.inprocess`: the same messages, no transport, for fleets
 whose device work is milliseconds and for the accuracy benchmark). After every round it scores
 the committed version on a held-out test split (the devices never see it) and updates a
-progress bar. At the end the run directory holds `report.json`, `report.png`, `task.json` and
-`snapshots/v{N}.safetensors`, which `seedfed evaluate --run DIR` scores.
+progress bar. At the end the run directory holds `report.json`, `report.png` (`seedfed.report`),
+`task.json` and `snapshots/v{N}.safetensors`, which `seedfed evaluate --run DIR` scores.
+
+Any fleet size: a file's partition is computed once per process (`device_data.fleet_shares`,
+every device >= 2 examples), a round costs what its sampled devices do (their Contexts, their
+sync phase), and a round in which every sampled device fails stops the run with the first
+failure (`FleetFailedError`, a non-zero exit) instead of planning it again and again.
 
 Personalization (docs/personalization.md): every device keeps a personal part
 (`--personal`, default `residual`; `off` for none) and reports in the sync phase its held-out
 accuracy with the shared model, with shared + personal, and with a local-only head. The default
 data is the per-device taste task (`tastes`, client/tastes.py); `report.json`'s `devices` lists
-the three accuracies of every device at the end and the PNG plots them.
+the three accuracies of the devices of the last sync phase and the PNG plots them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from seedfed.personal_report import DeviceRow, fleet_accuracy, personalization_summary
+from seedfed.personal_report import DeviceRow, fleet_accuracy
+from seedfed.report import Report, RoundRow
 from seedfed.shared.scope_options import options_for
 from seedfed.shared.task import Hyper, TaskSpec
 
@@ -44,7 +50,7 @@ PREFERENCE_SOURCES: tuple[str, ...] = (DEFAULT_DATA, TASTES)
 ENGINES: tuple[str, ...] = ("flower", "inprocess")
 #: Seconds the Simulation Engine's grid sleeps between polls for the devices' replies. Flower's
 #: default (0.1 s) suits real fleets; a simulated phase whose devices answer in milliseconds
-#: would wait on it for most of the phase (docs/performance.md, thirteenth session).
+#: would wait on it for most of the phase (docs/performance.md, section 5).
 PULL_INTERVAL_S = 0.005
 
 
@@ -121,60 +127,6 @@ class SimulationConfig:
                              f"{self.devices_per_round}")
 
 
-@dataclass
-class RoundRow:
-    round: int
-    version: int | None
-    participants: int
-    loss: float | None
-    accuracy: float | None
-    upload_bytes: int
-    download_bytes: int
-    upload_bytes_per_device: float
-    local_accuracy: float | None
-    seconds: float
-    #: seconds the round's device calls (train + sync, every device) spent in the ClientApp
-    device_compute_s: float | None = None
-    # over the devices that reported a personal part: mean and worst decile (the mean of the
-    # lowest tenth, at least one device) of the held-out accuracy, shared vs personalized
-    shared_accuracy_mean: float | None = None
-    shared_accuracy_worst_decile: float | None = None
-    personal_accuracy_mean: float | None = None
-    personal_accuracy_worst_decile: float | None = None
-
-
-@dataclass
-class Report:
-    config: dict[str, Any]
-    task_id: str
-    scope_numel: int
-    scalars_per_device: int
-    fedavg_bytes_per_round: int
-    upload_budget_bytes_per_device: int
-    rounds: list[RoundRow] = field(default_factory=list)
-    initial_accuracy: float | None = None
-    final_version: int = 0
-    final_checksum: str = ""
-    device_checksums: dict[str, str] = field(default_factory=dict)
-    wall_seconds: float = 0.0
-    devices: list[DeviceRow] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["upload_ratio_to_fedavg"] = self.upload_ratio()
-        d["wall_s"] = self.wall_seconds
-        d["device_compute_s"] = sum(r.device_compute_s or 0.0 for r in self.rounds)
-        d["personalization"] = personalization_summary(self.devices)
-        return d
-
-    def upload_ratio(self) -> float | None:
-        """Mean upload per device per round over FedAvg's upload (fp32 trainable tensors)."""
-        per_device = [r.upload_bytes_per_device for r in self.rounds if r.participants]
-        if not per_device:
-            return None
-        return (sum(per_device) / len(per_device)) / (4 * self.scope_numel)
-
-
 def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> TaskSpec:
     """The task a simulation trains: the measured recipe (client/recipes.py) for the data,
     with the command line's overrides. `--scope head` is the recipe's head-only scope; any
@@ -206,6 +158,8 @@ def task_spec_for(config: SimulationConfig, label_texts: tuple[str, ...]) -> Tas
 
 #: `--scope` values that name a recipe's own scope rather than a scope of shared.scopes.
 RECIPE_SCOPES = ("head", "body")
+#: Rounds and fleet size of a run whose scope has no measured recipe.
+DEFAULT_ROUNDS, DEFAULT_DEVICES = 30, 10
 
 
 def _recipe(data: str, model: str | None, fmt: str, scope: str = "head") -> Any:
@@ -225,23 +179,24 @@ def _recipe(data: str, model: str | None, fmt: str, scope: str = "head") -> Any:
 
 def recipe_fleet(data: str, model: str | None, fmt: str | None, scope: str = "head",
                  ) -> tuple[int, int | None]:
-    """(rounds, devices per round) when the command line names neither: the body recipe's
-    (`--scope body`), a ternary task's or the taste task's recipe's; otherwise 30 rounds with
-    every device (as before recipes had fleets)."""
-    if fmt == "ternary" or scope == "body" or data == TASTES:
-        r = _recipe(data, model, fmt or "fp32", scope)
-        return r.rounds, r.per_round
-    return 30, None
+    """(rounds, devices per round) when the command line names neither: the measured recipe's
+    for the data, format and scope (client/recipes.py): a labelled file runs the SST-2
+    recipe's 300 rounds of 20 devices, the taste task its 30 of 20, the body and ternary
+    recipes theirs. A scope of shared.scopes (`--scope lora`, ...) has no recipe: 30 rounds
+    with every device."""
+    if scope not in RECIPE_SCOPES and fmt != "ternary":
+        return DEFAULT_ROUNDS, None
+    r = _recipe(data, model, fmt or "fp32", scope)
+    return r.rounds, r.per_round
 
 
-def recipe_devices(data: str) -> int:
-    """The fleet size when the command line gives none: the taste task's recipe's (its shared
-    model needs enough devices' opinions of each topic), otherwise 10."""
-    if data == TASTES:
-        from seedfed.client.recipes import TASTES_DEVICES
-
-        return TASTES_DEVICES
-    return 10
+def recipe_devices(data: str, model: str | None = None, fmt: str | None = None,
+                   scope: str = "head") -> int:
+    """The fleet size when the command line gives none: the measured recipe's (10 for a
+    scope without a recipe)."""
+    if scope not in RECIPE_SCOPES and fmt != "ternary":
+        return DEFAULT_DEVICES
+    return _recipe(data, model, fmt or "fp32", scope).devices
 
 
 class Evaluator:
@@ -332,7 +287,7 @@ def simulation_secret(seed: int, training_run: int = 0) -> str:
 def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None) -> Report:
     """Run the whole simulation; returns the report (also written to the run directory).
-    `on_round(row, rounds)` after every round; `on_prefill(done, devices)` as the devices'
+    `on_round(row, rounds)` after every round; `on_prefill(done, total)` as the fleet's
     sentences are encoded into the feature store before round 1."""
     _quiet_transformers()
     from seedfed.device_times import DEVICE_TIMES, DeviceTimes
@@ -364,20 +319,19 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         fleet = FleetConfig.from_status(status, min_devices=config.devices,
                                         sync_after_round=config.sync_after_round,
                                         sync_every=config.sync_every or config.eval_every,
-                                        final_round=config.rounds, sample_seed=config.seed)
+                                        final_round=config.rounds, sample_seed=config.seed,
+                                        stop_when_all_fail=True)
         strategy = SeedfedStrategy(coordinator, task_id, fleet)
         features = SharedFeatures(store_root(config.feature_cache, out))
         evaluator = Evaluator(spec, test, features) if len(test) else None
         evaluate_fn = _RoundScorer(config, report, coordinator, task_id, strategy, evaluator,
                                    on_round, DeviceTimes(out / DEVICE_TIMES))
-        if config.engine == "flower":  # before round 1: none of it counts against a timeout
-            from seedfed.client.device_data import DeviceData
+        if config.engine == "flower" and _prefills(config):
+            # before round 1: none of it counts against a timeout
+            from seedfed.client.device_data import fleet_texts
             from seedfed.features import prefill
 
-            prefill(features, spec, DeviceData(
-                source=config.data, alpha=config.alpha, seed=config.seed,
-                num_partitions=config.devices, pool=config.pool,
-                label_skew=config.label_skew), config.devices, config.cpus, on_prefill)
+            prefill(features, spec, fleet_texts(_device_data(config)), config.cpus, on_prefill)
         with _quiet_flower():
             _drive(config, strategy, evaluate_fn, features)
         final = coordinator.task_status(task_id)
@@ -394,6 +348,8 @@ def run(config: SimulationConfig, on_round: Callable[[RoundRow, int], None] | No
         coordinator.close()
     report.wall_seconds = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    from seedfed.report import plot  # matplotlib is imported inside
+
     plot(report, out / "report.png")
     return report
 
@@ -457,20 +413,36 @@ class _RoundScorer:
         return None if acc is None else MetricRecord({"accuracy": acc})
 
 
+def _device_data(config: SimulationConfig) -> Any:
+    """The fleet's data settings (each device adds its partition id)."""
+    from seedfed.client.device_data import DeviceData
+
+    return DeviceData(source=config.data, alpha=config.alpha, seed=config.seed,
+                      num_partitions=config.devices, pool=config.pool,
+                      label_skew=config.label_skew)
+
+
+def _prefills(config: SimulationConfig) -> bool:
+    """Whether the Simulation Engine's run encodes the fleet's sentences before round 1: when
+    the run is likely to sample most devices (1 - (1 - k/n)^rounds >= 1/2), so that the
+    encoding is needed anyway and round 1 would otherwise pay for most of it. A large fleet
+    sampled for a few rounds leaves it to the devices: a round then encodes only its own
+    devices' sentences, a cost of the devices per round, not of the fleet."""
+    per_round = config.devices_per_round or config.devices
+    return 1 - (1 - per_round / config.devices) ** config.rounds >= 0.5
+
+
 def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer,
            features: Any = None) -> None:
     """Run `config.rounds` rounds of the strategy against the fleet, on the chosen engine;
     `features`: the feature store the devices' processes share (None: none)."""
     from flwr.app import ArrayRecord
 
-    from seedfed.client.device_data import DeviceData
     from seedfed.client.flower_app import make_client_app
     from seedfed.client.personal import PersonalConfig
 
-    client_app = make_client_app(DeviceData(source=config.data, alpha=config.alpha,
-                                            seed=config.seed, num_partitions=config.devices,
-                                            pool=config.pool, label_skew=config.label_skew),
-                                 PersonalConfig(method=config.personal), features)
+    client_app = make_client_app(_device_data(config), PersonalConfig(method=config.personal),
+                                 features)
     if evaluate_fn.times is not None:
         from seedfed.device_times import TimedClientApp
 
@@ -487,13 +459,18 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer,
     from flwr.simulation import run_simulation
 
     server_app = ServerApp()
+    failed: list[BaseException] = []
 
     @server_app.main()
     def _main(grid: Grid, context: Any) -> None:
         if hasattr(grid, "pull_interval"):  # the Simulation Engine's InMemoryGrid
             grid.pull_interval = PULL_INTERVAL_S
-        strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
-                       timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
+        try:
+            strategy.start(grid, ArrayRecord(), num_rounds=config.rounds,
+                           timeout=config.round_timeout_s, evaluate_fn=evaluate_fn)
+        except BaseException as e:
+            failed.append(e)  # the engine logs a ServerApp's exception and returns normally
+            raise
 
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": config.cpus, "num_gpus": 0,
@@ -502,6 +479,8 @@ def _drive(config: SimulationConfig, strategy: Any, evaluate_fn: _RoundScorer,
                              "logging_level": "ERROR", "log_to_driver": False}}
     run_simulation(server_app=server_app, client_app=client_app,
                    num_supernodes=config.devices, backend_config=backend)  # type: ignore[arg-type]
+    if failed:
+        raise failed[0]
 
 
 def _quiet_transformers() -> None:
@@ -523,72 +502,62 @@ class _quiet_flower:
         self._logger.setLevel(self._level)
 
 
-def plot(report: Report, path: Path) -> None:
-    """Accuracy and loss per round, and bytes per device against FedAvg, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rounds = [r.round for r in report.rounds]
-    panels = 3 if report.devices else 2  # per-device shared vs personalized vs local-only
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
-    ax1, ax2 = axes[0], axes[1]
-    acc = [(0, report.initial_accuracy)] if report.initial_accuracy is not None else []
-    acc += [(r.round, r.accuracy) for r in report.rounds if r.accuracy is not None]
-    if acc:
-        ax1.plot([a for a, _ in acc], [b for _, b in acc], "o-", color="tab:blue",
-                 label="test accuracy")
-    ax1.set_xlabel("round")
-    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax1.set_ylabel("held-out accuracy", color="tab:blue")
-    ax1b = ax1.twinx()
-    losses = [(r.round, r.loss) for r in report.rounds if r.loss is not None]
-    if losses:
-        ax1b.plot([a for a, _ in losses], [b for _, b in losses], "s--", color="tab:red",
-                  label="device loss")
-    ax1b.set_ylabel("mean device loss", color="tab:red")
-    ax1.set_title("Federated ZO: accuracy and loss")
-    up = [r.upload_bytes_per_device for r in report.rounds]
-    ax2.bar(rounds, up, color="tab:green", label="seedfed upload / device")
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax2.axhline(4 * report.scope_numel, color="tab:gray", linestyle="--",
-                label=f"FedAvg upload / device ({4 * report.scope_numel:,} B)")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("bytes")
-    ax2.set_title("Upload per device per round")
-    ax2.legend(loc="center right", fontsize=8)
-    if report.devices:
-        from seedfed.personal_report import plot_devices
-
-        plot_devices(axes[2], report.devices)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
 def expected_duration(config: SimulationConfig) -> Any:
     """`seedfed.estimate.DurationEstimate` of the run, measured on this machine before it
-    starts (one device step of each of the task's plans, scaled)."""
+    starts (one device step of each of the task's plans, the personal part and the scoring,
+    scaled; the encoding the feature cache lacks)."""
     from seedfed.estimate import estimate_duration, evaluations
+    from seedfed.features import SharedFeatures, store_root
 
     splits = _data_splits(config)
     spec = task_spec_for(config, _label_texts(config.data, splits.train.num_labels))
     held = splits.validation if config.eval_on_validation else splits.test
     per_round = min(config.devices_per_round or config.devices, config.devices)
     parallel = 1 if config.engine == "inprocess" else config.cpus
+    every = config.sync_every or config.eval_every
+    syncs = sum(1 for r in range(1, config.rounds + 1) if r % every == 0 or r == config.rounds)
+    # a sample as large as a device's personal round draws (16 steps x 32), so it is timed
+    # on as many distinct rows as a device of the fleet trains it on
     return estimate_duration(
-        spec, splits.train.subset(range(min(len(splits.train), 256))),
+        spec, splits.train.subset(range(min(len(splits.train), 512))),
         held.subset(range(min(config.eval_size, len(held)))), rounds=config.rounds,
         per_round=per_round, parallel=parallel,
         evals=evaluations(config.rounds, config.eval_every) if config.eval_size else 0,
-        sentences=len(splits.train))
+        sentences=_sentences_encoded(config), personal=config.personal,
+        syncs=syncs if config.sync_after_round else 0,
+        store=SharedFeatures(store_root(config.feature_cache, config.out.resolve())),
+        time_coordinator=True, engine=config.engine)
+
+
+def _sentences_encoded(config: SimulationConfig) -> int:
+    """The fleet's sentences a run needs encoded: all of them where it prefills or is likely
+    to sample most devices, else those of the devices it is expected to sample."""
+    from seedfed.client import tastes
+    from seedfed.client.device_data import fleet_texts
+
+    data = _device_data(config)
+    if config.data == TASTES:  # every device generates its own: one device's, times the fleet
+        fleet = sum(len(x) for x in tastes.device_examples(config.seed, 0)) * config.devices
+    else:
+        fleet = len(fleet_texts(data))
+    per_round = config.devices_per_round or config.devices
+    sampled = 1 - (1 - per_round / config.devices) ** config.rounds
+    return fleet if config.engine == "flower" and _prefills(config) else round(fleet * sampled)
+
+
+def ratio_words(ratio: float) -> str:
+    """An upload ratio to FedAvg as a person reads it: `ratio 0.745 (1.3x less)`, `ratio
+    1.95e-05 (51,282x less)`, `ratio 2.5 (2.5x more)`."""
+    shown = f"{ratio:.3g}" if ratio >= 1e-3 else f"{ratio:.2e}"
+    if ratio <= 0 or abs(ratio - 1) < 5e-3:
+        return f"ratio {shown}" + (" (the same)" if ratio > 0 else "")
+    factor, word = (1 / ratio, "less") if ratio < 1 else (ratio, "more")
+    times = f"{factor:,.0f}" if factor >= 10 else f"{factor:.2g}"
+    return f"ratio {shown} ({times}x {word})"
 
 
 def run_with_progress(config: SimulationConfig) -> Report:
@@ -608,12 +577,12 @@ def run_with_progress(config: SimulationConfig) -> Report:
 
         encoding: list[Any] = []
 
-        def on_prefill(done: int, devices: int) -> None:
+        def on_prefill(done: int, total: int) -> None:
             if not encoding:  # shown while the fleet's sentences are encoded (a cold cache)
-                encoding.append(progress.add_task("encoding devices' sentences", total=devices,
+                encoding.append(progress.add_task("encoding the fleet's sentences", total=total,
                                                   participants="-", loss="-", accuracy="-"))
             progress.update(encoding[0], completed=done)
-            if done == devices:
+            if done == total:
                 progress.remove_task(encoding[0])
 
         def on_round(row: RoundRow, total: int) -> None:
@@ -634,7 +603,7 @@ def run_with_progress(config: SimulationConfig) -> Report:
         console.print(
             f"upload per device per round: {mean:,.0f} B for {report.scalars_per_device} "
             f"scalars (budget {report.upload_budget_bytes_per_device:,} B); FedAvg would send "
-            f"{4 * report.scope_numel:,} B: ratio {ratio:.2e} ({1 / ratio:,.0f}x less)")
+            f"{4 * report.scope_numel:,} B: {ratio_words(ratio)}")
     console.print(f"final version v{report.final_version}, checksum "
                   f"{report.final_checksum[:16]}..., {report.wall_seconds:.0f} s; run directory "
                   f"{config.out}")

@@ -17,8 +17,8 @@ import numpy as np
 from seedfed.shared.aggregate import (
     AggregationConfig,
     build_entry,
-    capped_weights,
     dp_noise_std,
+    round_weights,
 )
 from seedfed.shared.replay import LogEntry, apply_seeds, checksum
 from seedfed.shared.scopes import Scope
@@ -65,8 +65,8 @@ def combine(*, task_id: str, base_version: int, round_number: int, seeds: Sequen
     `dp_devices`: the fixed denominator of a DP task's round (its quorum, known before any
     upload; `shared.aggregate.dp_aggregate` says why); default the number of uploads."""
     g = np.stack([np.asarray(m, dtype=np.float32).reshape(-1) for m in matrices])
-    # Capped: a device's claimed example count cannot buy more than the task allows.
-    w = capped_weights(num_examples, config.max_num_examples)
+    # A device's claimed example count buys at most what `round_weights` allows.
+    w = round_weights(num_examples, config)
     rng = round_rng(secret, round_number, NOISE_STREAM)
     devices = len(matrices) if dp_devices is None else dp_devices
     entry = build_entry(task_id, base_version, seeds, g, w, lr, perturbations, config, rng,

@@ -3,8 +3,9 @@
 `create_app(settings)` opens the runtime in the lifespan (engine, `alembic upgrade head`,
 model store, recovery of rounds a crash left aggregating), starts the upload writer and the
 ticker (closes rounds at quorum or deadline), answers every error with the status and body of
-`seedfed.server.errors` (one table, below the app), limits request bodies, and mounts the
-dashboard (`seedfed.server.dashboard.router`) when that module exists.
+`seedfed.server.errors` (one table, below the app), limits request bodies, refuses repeated
+headers, and mounts the dashboard (`seedfed.server.dashboard.router`) when that module exists.
+It serves `/openapi.json` but not FastAPI's `/docs` and `/redoc` pages (they load a CDN).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
 
 
 class BodyLimit:
-    """Refuse request bodies above `limit` bytes with a 413 (declared or streamed)."""
+    """Refuse request bodies above `limit` bytes with a 413, declared (Content-Length) or
+    streamed (chunked): the answer goes out as soon as the limit is passed, with `Connection:
+    close` (the rest of the body is not read), and the app behind sees a disconnect, whatever
+    it does with its body (a route's body parser would otherwise call the cut a bad body)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -92,39 +96,74 @@ class BodyLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._reject(send, int(value))
+                await self._reject(send, f"a request body of {int(value)} bytes")
                 return
         seen = 0
-        started = False
+        started = over = False
 
         async def limited() -> Message:
-            nonlocal seen
+            nonlocal seen, over
+            if over:
+                return {"type": "http.disconnect"}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.limit:
-                    raise E.PayloadTooLargeError(f"request body exceeds {self.limit} bytes")
+                    over = True
+                    if not started:
+                        await self._reject(send, "a streamed request body of at least "
+                                                 f"{seen} bytes")
+                    return {"type": "http.disconnect"}
             return msg
 
-        async def tracking_send(msg: Message) -> None:
+        async def guarded_send(msg: Message) -> None:
             nonlocal started
+            if over:
+                return  # the 413 went out (or the body was cut under a started answer)
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
-        try:
-            await self.app(scope, limited, tracking_send)
-        except E.PayloadTooLargeError:
-            if started:
-                raise
-            await self._reject(send, seen)
+        await self.app(scope, limited, guarded_send)
 
-    async def _reject(self, send: Send, size: int) -> None:
-        body = E.error_payload(f"request body of {size} bytes exceeds the limit of "
-                             f"{self.limit} bytes", "PayloadTooLargeError")
+    async def _reject(self, send: Send, what: str) -> None:
+        body = E.error_payload(f"{what} exceeds the limit of {self.limit} bytes (the "
+                               "coordinator's max_body_bytes)", "PayloadTooLargeError")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class HeaderGuard:
+    """Refuse (400) a request that repeats a header whose value the coordinator reads as one:
+    `X-Seedfed-*`, `Authorization`, `Content-Type`. A repeated header has no single meaning
+    (the first or the last value? proxies differ), so one answer for every route beats each
+    parser picking its own."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            seen: set[bytes] = set()
+            for name, _ in scope.get("headers", []):
+                if name.startswith(b"x-seedfed-") or name in _SINGLE_HEADERS:
+                    if name in seen:
+                        shown = name.decode("latin-1")[:64]
+                        body = E.error_payload(f"header {shown} appears more than once; send "
+                                               "it once", E.MalformedRequestError.__name__)
+                        await send({"type": "http.response.start", "status": 400,
+                                    "headers": [(b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode()),
+                                                (b"connection", b"close")]})
+                        await send({"type": "http.response.body", "body": body})
+                        return
+                    seen.add(name)
+        await self.app(scope, receive, send)
+
+
+_SINGLE_HEADERS = frozenset({b"authorization", b"content-type"})
 
 
 async def _ticker(app: FastAPI, rt: Runtime) -> None:
@@ -180,7 +219,10 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
             if runtime is None:
                 rt.close()
 
-    app = FastAPI(title="seedfed coordinator", version="1",
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which a production
+    # service should not hand its operators' browsers; /openapi.json stays (clients, fuzzers
+    # and any local viewer read the contract from it).
+    app = FastAPI(title="seedfed coordinator", version="1", docs_url=None, redoc_url=None,
                   description="Federated zeroth-order fine-tuning: tasks, devices, rounds, "
                               "scalar uploads, the seed-replay log and snapshots.",
                   lifespan=lifespan)
@@ -196,7 +238,8 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     app.state.dashboard = mount_dashboard(app)
     if settings.upload_fast_path:
         app.add_middleware(UploadFastPath)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # outermost: sees every body
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)  # sees every body
+    app.add_middleware(HeaderGuard)  # outermost: a request with a repeated header goes no further
     return app
 
 

@@ -133,15 +133,18 @@ class OpenRounds:
 
 @dataclass(frozen=True)
 class CloseFailure:
-    """The last failed attempt to finish a task's round close; retried with backoff by the
-    ticker and shown on /readyz, the task status and the dashboard until a close succeeds."""
+    """The last failed attempt to finish a task's round close, shown on /readyz, the task
+    status and the dashboard until a close succeeds or the round is abandoned. A transient
+    failure is retried with backoff by the ticker (at `retry_at`); a `permanent` one (the
+    close would fail the same way again) is not retried (`retry_at` None)."""
 
     round_id: int
     round: int | None
     attempts: int
     error: str  # "TypeName: message"
     failed_at: datetime
-    retry_at: datetime
+    retry_at: datetime | None
+    permanent: bool = False
 
 
 class CloseFailures:
@@ -156,13 +159,17 @@ class CloseFailures:
     def record(self, task_id: str, failure: CloseFailure) -> None:
         self._failures[task_id] = failure
 
-    def clear(self, task_id: str) -> None:
-        """The task's close succeeded, or there is nothing left to retry."""
-        self._failures.pop(task_id, None)
+    def clear(self, task_id: str, round_id: int | None = None) -> None:
+        """The task's close succeeded, or there is nothing left to retry (with `round_id`:
+        only if the failure is that round's)."""
+        f = self._failures.get(task_id)
+        if f is not None and (round_id is None or f.round_id == round_id):
+            self._failures.pop(task_id, None)
 
     def due(self, now: datetime) -> list[tuple[str, int]]:
-        """(task id, round id) of every failure whose backoff has passed."""
-        return [(t, f.round_id) for t, f in list(self._failures.items()) if f.retry_at <= now]
+        """(task id, round id) of every retried failure whose backoff has passed."""
+        return [(t, f.round_id) for t, f in list(self._failures.items())
+                if f.retry_at is not None and f.retry_at <= now]
 
     def items(self) -> list[tuple[str, CloseFailure]]:
         """Every failing close, by task id."""

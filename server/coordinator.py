@@ -10,7 +10,9 @@ call, and the same service functions the REST routes use.
     data, chk = coord.snapshot(task_id, entry.base_version + 1)
 
 Rounds close when this object is told to (`close_round`) or on `tick()` (quorum or deadline
-reached); the HTTP app runs `tick()` on a timer. Errors are the typed errors of
+reached); the HTTP app runs `tick()` on a timer, with the automatic schedule. Tasks created
+here default to `schedule="manual"`: this object's callers (simulate, the Flower ServerApp,
+benchmarks) open every round themselves. Errors are the typed errors of
 `seedfed.server.errors` and `seedfed.shared.errors`.
 """
 
@@ -23,9 +25,10 @@ from seedfed.shared.task import TaskSpec
 from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload, pack_binary
 
 from . import service
-from .orm import DeviceMetricsRow
+from .orm import DeviceMetricsRow, Schedule
 from .runtime import Runtime
 from .schemas import (
+    AbandonedRound,
     CatchupPlan,
     MetricsReceipt,
     RoundMetrics,
@@ -63,15 +66,20 @@ class Coordinator:
 
     def create_task(self, spec: TaskSpec, *, name: str | None = None, quorum: int = 1,
                     round_timeout_s: float = 600.0, devices_per_round: int | None = None,
+                    schedule: str = Schedule.MANUAL, max_rounds: int | None = None,
                     secret: str | None = None) -> str:
-        """`secret`: simulations and tests only (`service.create_task`); None: random."""
+        """`secret`: simulations and tests only (`service.create_task`); None: random.
+        `schedule`: manual by default (the caller opens rounds); `auto` lets a coordinator app
+        serving the same runtime run them (`max_rounds`: its limit)."""
         task_id, _join, _v, _chk = service.create_task(
             self.rt, spec=spec, name=name, quorum=quorum, round_timeout_s=round_timeout_s,
-            devices_per_round=devices_per_round, secret=secret)
+            devices_per_round=devices_per_round, schedule=schedule, max_rounds=max_rounds,
+            secret=secret)
         return task_id
 
     def create_task_with_token(self, spec: TaskSpec, **kwargs: object) -> tuple[str, str]:
         """Like `create_task`, also returning the join token devices enroll with over HTTP."""
+        kwargs.setdefault("schedule", Schedule.MANUAL)
         task_id, join, _v, _chk = service.create_task(self.rt, spec=spec, **kwargs)  # type: ignore[arg-type]
         return task_id, join
 
@@ -106,6 +114,16 @@ class Coordinator:
 
     def close_round(self, task_id: str) -> LogEntryWire:
         return service.close_round(self.rt, task_id=task_id)
+
+    def abandon_round(self, task_id: str, number: int, reason: str) -> AbandonedRound:
+        """End round `number` without a new version (`service.abandon_round`)."""
+        return service.abandon_round(self.rt, task_id=task_id, number=number, reason=reason)
+
+    def set_schedule(self, task_id: str, schedule: str | None = None,
+                     max_rounds: int | None = None, *, clear_limit: bool = False) -> None:
+        """Who opens the task's rounds, and the automatic schedule's limit."""
+        service.set_schedule(self.rt, task_id=task_id, schedule=schedule,
+                             max_rounds=max_rounds, clear_limit=clear_limit)
 
     def record_metrics(self, task_id: str, device_id: str, round_number: int,
                        metrics: DeviceMetrics) -> MetricsReceipt:

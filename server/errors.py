@@ -58,12 +58,28 @@ class EmptyRoundError(ConflictError):
     """Closing a round that received no upload."""
 
 
+class VersionAheadError(ConflictError):
+    """A device names a version the task has not reached (`catchup?from=`, `log?since=`): its
+    state is not one of the task's versions (e.g. the coordinator was restored from an older
+    backup); it must load the current snapshot."""
+
+
 class MalformedRequestError(CoordinatorError, ValueError):
     """A body that is not even syntactically valid (broken JSON, missing binary headers)."""
 
 
+class FormatNotPublishedError(NotFoundError):
+    """A snapshot asked for in a format the task does not publish (`?format=`): each version
+    exists as fp32 and in the task's own format only."""
+
+
 class InvalidUploadError(CoordinatorError, ValueError):
     """An upload that parses but breaks the round's rules (shape, bound, task, round)."""
+
+
+class InvalidQueryError(CoordinatorError, ValueError):
+    """A read whose parameters break a rule (a negative version, a rate that is not
+    positive); over HTTP the routes' parameter bounds refuse these first."""
 
 
 class InvalidMetricsError(CoordinatorError, ValueError):
@@ -77,6 +93,11 @@ class InvalidTaskError(CoordinatorError, ValueError):
 
 class PayloadTooLargeError(CoordinatorError):
     """A request body above the configured limit."""
+
+
+class RequestTimeoutError(CoordinatorError):
+    """A request body that stopped arriving for the coordinator's body_timeout_s (answered by
+    the connection guard, `server/connections.py`, which then closes the connection)."""
 
 
 class StoreError(CoordinatorError):
@@ -103,9 +124,11 @@ STATUS: dict[type[BaseException], int] = {
     PermissionDeniedError: 403,
     NotFoundError: 404,
     ConflictError: 409,
+    RequestTimeoutError: 408,
     PayloadTooLargeError: 413,
     InvalidUploadError: 422,
     InvalidMetricsError: 422,
+    InvalidQueryError: 422,
     InvalidTaskError: 422,
     WireFormatError: 422,
     ShapeError: 422,
@@ -117,6 +140,17 @@ STATUS: dict[type[BaseException], int] = {
 
 #: Seconds a 503 (database or model store unavailable) asks the caller to wait.
 RETRY_AFTER_S = 2
+
+
+def fails_every_time(exc: BaseException) -> bool:
+    """Whether a failed round close would fail the same way on every retry. A close is a
+    function of stored rows (uploads, the task's spec and secret), so an error of that
+    computation recurs: a protocol error (a non-finite update, a shape), arithmetic, a value or
+    type error. An outage (database, model store) or a missing or damaged store file passes or
+    can be repaired, and anything else unknown (e.g. a RuntimeError) keeps its retry."""
+    if isinstance(exc, UnavailableError | StoreError | OSError):
+        return False
+    return isinstance(exc, SeedfedError | ArithmeticError | ValueError | TypeError)
 
 
 def status_of(exc: BaseException) -> int:

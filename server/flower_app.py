@@ -113,7 +113,7 @@ class RestCoordinator:
         return self.api.status(task_id)
 
     def task_spec(self, task_id: str) -> TaskSpec:
-        return TaskSpec.from_dict(self.api.spec(task_id))
+        return TaskSpec.from_dict(self.api.spec(task_id), stored=True)  # the coordinator's own
 
     def catchup(self, task_id: str, from_version: int) -> CatchupPlan:
         return self.api.catchup(task_id, from_version)

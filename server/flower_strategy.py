@@ -4,10 +4,11 @@ It holds no model state. `configure_train` asks the coordinator for the round pl
 sampled device how to catch up (log entries since the version the device last confirmed, or a
 snapshot when that is cheaper or the device is new); `aggregate_train` hands the replies to the
 coordinator as uploads and asks it to close the round. The optional sync phase
-(`configure_evaluate`) pushes the new log entry to every device and collects the checksum each
-one reached, so a diverged device is caught at once and re-synced from a snapshot, and each
-device's held-out accuracies (shared, personalized, local-only), which it hands to the
-coordinator to store for the round (`record_metrics`, the service the REST route uses too).
+(`configure_evaluate`) pushes the new log entry to every device that trained in the round and
+collects the checksum each one reached, so a diverged device is caught at once and re-synced
+from a snapshot, and each device's held-out accuracies (shared, personalized, local-only), which
+it hands to the coordinator to store for the round (`record_metrics`, the service the REST
+route uses too).
 
 The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
 version it confirmed. The messages are `seedfed.shared.records`, the classes the ClientApp reads
@@ -28,7 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-from seedfed.shared.errors import SeedfedError
+from seedfed.shared.errors import SeedfedError, UserError
 from seedfed.shared.messages import CatchupPlan, TaskStatus
 from seedfed.shared.records import FP32, CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.task import TaskSpec
@@ -73,6 +74,11 @@ class FleetConfig:
     sync_every: int = 1
     final_round: int | None = None
     sample_seed: int = 0
+    #: raise FleetFailedError when no sampled device of a round delivers an accepted upload
+    #: (every one failed, was refused or did not reply): a simulation's devices fail alike,
+    #: so its next round would fail the same way. A deployed fleet keeps going (the round
+    #: stays open and is planned again).
+    stop_when_all_fail: bool = False
 
     def __post_init__(self) -> None:
         if self.devices_per_round is not None and self.devices_per_round < 1:
@@ -91,6 +97,17 @@ class FleetConfig:
         base = {"quorum": status.quorum, "round_timeout_s": status.round_timeout_s,
                 "devices_per_round": status.devices_per_round}
         return cls(**{**base, **overrides})
+
+
+class FleetFailedError(UserError, RuntimeError):
+    """Every device sampled for a round failed (`FleetConfig.stop_when_all_fail`); the
+    message carries the first failure."""
+
+    def __init__(self, round_number: int, sampled: int, first: str) -> None:
+        super().__init__(f"round {round_number}: all {sampled} sampled devices failed; the "
+                         f"first: {first}", "fix what the first failure names (the devices' "
+                         "data, model or task settings); a round every device fails is not "
+                         "planned again")
 
 
 @dataclass
@@ -150,6 +167,9 @@ class SeedfedStrategy(Strategy):
         self._plan: RoundPlan | None = None
         self._rng = random.Random(config.sample_seed)
         self._spec: TaskSpec | None = None
+        #: devices whose upload the current round accepted: the devices its sync phase
+        #: reaches (a cost of the devices per round, whatever the fleet's size)
+        self._trained: set[int] = set()
 
     # -- fleet bookkeeping -------------------------------------------------------------------
     def _node(self, node_id: int) -> _Node:
@@ -214,6 +234,7 @@ class SeedfedStrategy(Strategy):
         chosen = sorted(self._rng.sample(connected, min(k, len(connected))))
         record = RoundRecord(round=plan.round, base_version=plan.version, sampled=len(chosen),
                              scalars_per_device=plan.steps * plan.perturbations)
+        self._trained = set()
         self.history.append(record)
         cache: dict[int, list[LogEntryWire]] = {}
         messages = []
@@ -233,7 +254,8 @@ class SeedfedStrategy(Strategy):
         assert plan is not None
         losses: list[tuple[float, int]] = []
         readable: list[tuple[int, Message, Upload, int]] = []  # node, reply, upload, bytes
-        for reply in replies:
+        got = list(replies)
+        for reply in got:
             node_id = reply.metadata.src_node_id
             node = self._node(node_id)
             if reply.has_error():
@@ -256,12 +278,19 @@ class SeedfedStrategy(Strategy):
                 continue
             # it trained at the plan's version and returned to it
             self._nodes[node_id].version = plan.version
+            self._trained.add(node_id)
             record.participants += 1
             record.upload_bytes += size
             record.upload_message_bytes += message_bytes(reply)
             losses.append((upload.loss, upload.num_examples))
+        if len(got) < record.sampled:
+            record.failures.append(f"{record.sampled - len(got)} of {record.sampled} "
+                                   "devices did not reply within the round timeout "
+                                   f"({self.config.round_timeout_s:.0f} s)")
         for failure in record.failures:
             log.warning("round %d: %s", plan.round, failure)
+        if self.config.stop_when_all_fail and record.sampled and not record.participants:
+            raise FleetFailedError(plan.round, record.sampled, record.failures[0])
         if record.participants >= self.config.quorum:
             entry = self.coordinator.close_round(self.task_id)
             record.version, record.checksum = entry.base_version + 1, entry.checksum
@@ -301,7 +330,11 @@ class SeedfedStrategy(Strategy):
         connected = set(grid.get_node_ids())
         cache: dict[int, list[LogEntryWire]] = {}
         messages = []
-        for node_id, node in sorted(self._nodes.items()):
+        # the devices that trained this round: the others catch up with their next plan
+        # (replaying the entries they missed, checksum verified), so a fleet of any size
+        # costs what its sampled devices do
+        for node_id in sorted(self._trained):
+            node = self._nodes[node_id]
             if node_id not in connected or node.version is None:
                 continue  # a device without state gets its snapshot with its next plan
             ins = SyncIns(self.task_id, status.version, status.checksum,

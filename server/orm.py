@@ -52,13 +52,24 @@ class Base(DeclarativeBase):
     pass
 
 
+class Schedule:
+    """Who opens a task's rounds (`TaskRow.schedule`)."""
+
+    #: the coordinator: the next round opens as soon as the last one ended (closed, expired or
+    #: abandoned), once the task has an enrolled device, until `TaskRow.max_rounds` versions
+    AUTO = "auto"
+    #: an operator or a driver (the Flower ServerApp): only `POST .../rounds` opens a round
+    MANUAL = "manual"
+
+
 class RoundState:
     OPEN = "open"
     AGGREGATING = "aggregating"
     CLOSED = "closed"
     EXPIRED = "expired"  # deadline passed with no upload: closed without a new version
-    #: planned at a base version the task has since moved past (it can never commit):
-    #: closed without a new version, its uploads not aggregated
+    #: ended without a new version, its uploads not aggregated: planned at a base version the
+    #: task has since moved past (it can never commit), or abandoned by an operator (a round
+    #: whose close cannot succeed); `RoundRow.abandon_reason` says which
     ABANDONED = "abandoned"
 
 
@@ -79,6 +90,10 @@ class TaskRow(Base):
     current_version: Mapped[int] = mapped_column(Integer, default=0)
     scope_numel: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: `Schedule.AUTO` or `Schedule.MANUAL` (rows from before 0004: manual, as they ran).
+    schedule: Mapped[str] = mapped_column(String(16), default=Schedule.AUTO)
+    #: The automatic schedule stops once the task's version reaches this (None: never).
+    max_rounds: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class JoinTokenRow(Base):
@@ -131,6 +146,8 @@ class RoundRow(Base):
     upload_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     aggregation_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     result_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Why an abandoned round ended (the operator's reason, or the stale base).
+    abandon_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class UploadRow(Base):

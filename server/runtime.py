@@ -97,6 +97,9 @@ class Runtime:
         self.rounds = OpenRounds()
         #: Failing round closes, retried by the ticker.
         self.close_failures = CloseFailures()
+        #: Task id -> the error that kept the schedule from opening its next round (each
+        #: logged once; cleared when a round opens).
+        self.open_errors: dict[str, str] = {}
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:

@@ -3,16 +3,36 @@
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from seedfed.shared.messages import CatchupPlan as CatchupPlan  # the schemas devices read too
 from seedfed.shared.messages import TaskStatus as TaskStatus
 from seedfed.shared.wire import MAX_INT32
 
 #: A round's deadline is at most a year after it opens.
 MAX_ROUND_TIMEOUT_S = 365 * 24 * 3600.0
+#: ... and at least a second: the ticker checks deadlines once a second (`tick_interval_s`),
+#: and a shorter one would end every round before any device could fetch its plan.
+MIN_ROUND_TIMEOUT_S = 1.0
+
+
+def printable_name(value: str | None) -> str | None:
+    """`value` if it holds no control, format or separator character (ANSI escapes, newlines,
+    bidirectional overrides, zero-width characters): a name is printed in terminals and on
+    the dashboard, where such characters would rewrite what an operator sees."""
+    if value is None:
+        return None
+    for ch in value:
+        category = unicodedata.category(ch)
+        if category[0] == "C" or category in ("Zl", "Zp"):
+            raise ValueError(f"must be printable text: character U+{ord(ch):04X} "
+                             f"({category}) is not allowed")
+    return value
+#: Who opens a task's rounds (`orm.Schedule`).
+Schedule = Literal["auto", "manual"]
 
 
 class _Model(BaseModel):
@@ -58,15 +78,63 @@ class TaskCreate(_Request):
     """POST /v1/tasks. `spec` is a `seedfed.shared.task.TaskSpec` as a dict (`to_dict`)."""
 
     spec: dict[str, Any]
-    name: str | None = Field(default=None, max_length=200)
-    # Ranges: counts fit the 32-bit columns; a deadline must stay a representable datetime.
+    name: str | None = Field(default=None, max_length=200,
+                             description="printable text: no control, format or line "
+                                         "separator characters")
+    # Ranges: counts fit the 32-bit columns; a deadline must stay a representable datetime
+    # and give devices time to answer.
     quorum: int = Field(default=1, ge=1, le=MAX_INT32)
-    round_timeout_s: float = Field(default=600.0, gt=0, le=MAX_ROUND_TIMEOUT_S,
-                                   allow_inf_nan=False)
+    round_timeout_s: float = Field(default=600.0, ge=MIN_ROUND_TIMEOUT_S,
+                                   le=MAX_ROUND_TIMEOUT_S, allow_inf_nan=False)
     devices_per_round: int | None = Field(default=None, ge=1, le=MAX_INT32)
     #: Devices the task's first join token may enroll (None: the coordinator's
     #: max_devices_per_join_token setting).
     max_devices_per_token: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    #: Who opens rounds: "auto" (the coordinator: the first once a device enrolled, then the
+    #: next as soon as one ends) or "manual" (only `POST .../rounds`).
+    schedule: Schedule = "auto"
+    #: The automatic schedule stops once the task reached this version (None: no limit).
+    max_rounds: int | None = Field(default=None, ge=1, le=MAX_INT32)
+
+    @field_validator("name")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        return printable_name(value)
+
+
+class ScheduleUpdate(_Request):
+    """PATCH /v1/tasks/{id}/schedule: who opens the task's rounds from now on, and the
+    schedule's limit. A field left out keeps its value; `max_rounds: null` removes the limit."""
+
+    schedule: Schedule | None = None
+    max_rounds: int | None = Field(default=None, ge=1, le=MAX_INT32)
+
+
+class AbandonRequest(_Request):
+    """POST /v1/tasks/{id}/rounds/{n}/abandon: why (kept with the round, shown in the task's
+    status and on the dashboard)."""
+
+    reason: str = Field(min_length=1, max_length=500)
+
+    @field_validator("reason")
+    @classmethod
+    def _said(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the reason must say something (not only spaces)")
+        return value.strip()
+
+
+class AbandonedRound(_Model):
+    """A round ended by an operator without a new version: its uploads are not aggregated, and
+    the task goes on from its committed version."""
+
+    task_id: str
+    round: int
+    base_version: int
+    version: int  # the task's version, from which the next round starts
+    uploads: int  # uploads the round had received (not aggregated)
+    reason: str
+    abandoned_at: datetime
 
 
 class TaskCreated(_Model):
@@ -94,7 +162,9 @@ class RoundMetrics(_Model):
     opened_at: datetime
     closed_at: datetime | None
     aggregation_seconds: float | None
-    # The devices' held-out accuracies reported for the round (`DeviceMetrics`; issue 12):
+    #: Why an abandoned round ended (None for the other states).
+    abandon_reason: str | None = None
+    # The devices' held-out accuracies reported for the round (`DeviceMetrics`):
     # the mean and the worst decile (`shared.fleet_stats`) of the shared model's accuracy
     # over every reporting device, and of the personalized accuracy over those with a
     # personal part. Additive: None (0 devices) when no device reported.
@@ -108,7 +178,7 @@ class RoundMetrics(_Model):
 
 
 class DeviceSummary(_Model):
-    """One device in the stats (added for the dashboard, issue 3 item 6): who the
+    """One device in the stats (the dashboard's device list): who the
     `devices_seen` count is, and which devices went quiet."""
 
     device_id: str
@@ -188,13 +258,16 @@ class MetricsReceipt(_Model):
 
 
 class FailingClose(_Model):
-    """A task whose round close keeps failing (retried with backoff until it succeeds)."""
+    """A task whose round close keeps failing: retried with backoff until it succeeds, or, when
+    it fails on every attempt (`permanent`: a deterministic error such as a non-finite update),
+    not retried (`retry_at` None) until an operator abandons the round."""
 
     task_id: str
     round: int | None
     attempts: int
     error: str
-    retry_at: datetime
+    retry_at: datetime | None
+    permanent: bool = False
 
 
 class Health(_Model):
@@ -204,7 +277,8 @@ class Health(_Model):
 
 class Readiness(_Model):
     """GET /readyz. `degraded` (still ready, 200): the database and the store answer, but
-    some task's round close is failing; it is retried with backoff and listed here."""
+    some task's round close is failing; each is listed here, retried with backoff or, when it
+    fails on every attempt, waiting for an operator to abandon the round."""
 
     status: Literal["ok", "degraded", "unavailable"]
     detail: str | None = None

@@ -2,15 +2,18 @@
 
 Precedence, highest first: keyword arguments, environment variables, the TOML file named by
 SEEDFED_CONFIG (or `Settings(_toml_file=...)`), defaults. In production mode the admin token
-has no default and must be at least 16 characters; in development a missing token is
-generated at random (printed once by `seedfed coordinator`) rather than defaulted to a
-well-known value.
+has no default and must look random (`check_production_token`); in development a missing token
+is generated at random (printed once by `seedfed coordinator`) rather than defaulted to a
+well-known value. Validation errors never echo the values given (the token is one of them).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import secrets
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,59 @@ from pydantic_settings import (
 )
 
 MIN_PRODUCTION_TOKEN = 16
+#: Least entropy a production admin token must show, in bits, estimated from its own character
+#: counts (`token_bits`): 64 bits is what a brute-force search must not be able to cover.
+MIN_PRODUCTION_TOKEN_BITS = 64.0
+#: What a bearer credential may hold (RFC 6750 b64token); anything else (spaces, control
+#: characters, quotes) is a paste accident, and some clients would not send it intact.
+_TOKEN68 = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+_TOKEN_ADVICE = ("use a random token, e.g. the output of python -c \"import secrets; "
+                 "print(secrets.token_urlsafe(32))\"")
+
+
+def token_bits(token: str) -> float:
+    """An upper estimate of a token's entropy from its own characters: its length times the
+    Shannon entropy of its character frequencies, or of the steps between neighbouring
+    characters if that is lower (so runs like '0123...' score as low as repeats). Repeated,
+    few or sequential characters score low ('a' * 40: 0 bits; 'admin-' + 'y' * 24: 37;
+    '0123456789abcdef': 6); a random token_urlsafe(32) scores ~200."""
+    n = len(token)
+    if n < 2:
+        return 0.0
+    steps = [ord(b) - ord(a) for a, b in zip(token, token[1:], strict=False)]
+    return n * min(_entropy(Counter(token).values(), n), _entropy(Counter(steps).values(), n - 1))
+
+
+def _entropy(counts: Any, total: int) -> float:
+    return -sum(c / total * math.log2(c / total) for c in counts)
+
+
+def check_production_token(token: str | None) -> None:
+    """Raise ValueError (a message without the token) unless `token` can guard production:
+    present, a bearer credential's characters, at least MIN_PRODUCTION_TOKEN characters and
+    MIN_PRODUCTION_TOKEN_BITS bits by `token_bits`."""
+    if not token:
+        raise ValueError("admin_token is required in production mode (set SEEDFED_ADMIN_TOKEN "
+                         "or --admin-token)")
+    if not _TOKEN68.fullmatch(token):
+        raise ValueError("admin_token holds whitespace, control or other characters a bearer "
+                         "token cannot carry (allowed: letters, digits and -._~+/ then '=' "
+                         f"padding); {_TOKEN_ADVICE}")
+    if len(token) < MIN_PRODUCTION_TOKEN:
+        raise ValueError(f"admin_token must have at least {MIN_PRODUCTION_TOKEN} characters in "
+                         f"production mode, got {len(token)}; {_TOKEN_ADVICE}")
+    bits = token_bits(token)
+    if bits < MIN_PRODUCTION_TOKEN_BITS:
+        raise ValueError(f"admin_token is too guessable for production mode: its {len(token)} "
+                         f"characters carry about {bits:.0f} bits (repeated or few distinct "
+                         f"characters), at least {MIN_PRODUCTION_TOKEN_BITS:.0f} are needed; "
+                         f"{_TOKEN_ADVICE}")
 
 
 class Settings(BaseSettings):
+    # hide_input_in_errors: a validation error must not print the values given (the token).
     model_config = SettingsConfigDict(env_prefix="SEEDFED_", extra="forbid",
-                                      validate_default=True)
+                                      validate_default=True, hide_input_in_errors=True)
 
     database_url: str = "sqlite:///seedfed.db"
     store_dir: Path = Path("seedfed-store")
@@ -45,8 +96,10 @@ class Settings(BaseSettings):
     dp_delta: float = Field(default=1e-5, gt=0, lt=1)
     #: How often the background ticker closes rounds past their deadline (seconds).
     tick_interval_s: float = Field(default=1.0, gt=0)
-    #: Open the next round of every task as soon as its previous one closed (schedule).
-    auto_open_rounds: bool = False
+    #: Run the automatic schedule of tasks created with `schedule: auto` (the default): their
+    #: next round opens as soon as the last one ended. False: every task's rounds are opened
+    #: by hand (`POST .../rounds`), whatever its schedule.
+    auto_open_rounds: bool = True
     #: Let anyone read task lists, status and stats (dashboards); else admin token needed.
     public_stats: bool = False
     #: Upload ingestion: most uploads committed in one transaction.
@@ -67,6 +120,12 @@ class Settings(BaseSettings):
     #: Seconds a connection may take to send a request's headers (from its first byte, or from
     #: the connection's opening); slower ones are dropped (slow-header attacks).
     header_timeout_s: float = Field(default=10.0, gt=0)
+    #: Seconds a request body may go without a byte arriving while the coordinator waits for
+    #: it; a stalled body is answered 408 and its connection closed (`server/connections.py`).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    #: Connections open at once that have not authenticated a request (device or admin
+    #: token); a new one beyond this closes the oldest of them (`server/connections.py`).
+    max_anonymous_connections: int = Field(default=1024, ge=1)
     #: Model store versions kept per task besides version 0: after the commit of version v the
     #: files of version v - keep_versions are deleted (0 keeps every version). The log is kept.
     keep_versions: int = 20
@@ -76,12 +135,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _admin_token(self) -> Settings:
         if self.production:
-            if not self.admin_token:
-                raise ValueError("admin_token is required in production mode "
-                                 "(set SEEDFED_ADMIN_TOKEN or --admin-token)")
-            if len(self.admin_token) < MIN_PRODUCTION_TOKEN:
-                raise ValueError(f"admin_token must have at least {MIN_PRODUCTION_TOKEN} "
-                                 f"characters in production mode, got {len(self.admin_token)}")
+            check_production_token(self.admin_token)
         elif not self.admin_token:
             self.admin_token = secrets.token_urlsafe(24)
             self._generated_token = True

@@ -1,7 +1,8 @@
 """The conformance kit: golden vectors of everything a device port must reproduce bit for bit.
 
 `compute_conformance()` runs the reference implementation (`stream`, `replay`, `estimator`,
-`aggregate`, `wire`) on small fixed inputs and returns the results as JSON-ready data; the
+`aggregate`, `wire`, and the published snapshot formats of `conformance_formats`) on small
+fixed inputs and returns the results as JSON-ready data; the
 committed copy is `shared/golden/conformance.json` (`committed_conformance()`), and
 `tests/shared/test_conformance.py` recomputes it, so the file can never drift from the code.
 `seedfed protocol vectors --all` prints both this and the stream vectors (`vectors.py`).
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .aggregate import AggregationConfig, aggregate, build_entry, capped_weights
+from .aggregate import AggregationConfig, aggregate, build_entry, round_weights
+from .conformance_formats import published_vectors, ternary_vectors
 from .errors import SeedfedError
 from .estimator import projected_gradient
 from .replay import LogEntry, apply_seeds, checksum, state_checksum, update_coefficient
@@ -238,21 +240,24 @@ def _replay() -> dict[str, Any]:
 
 
 # -- aggregation -----------------------------------------------------------------------------------
-#: Five devices, three seeds; device 2 claims 200,000 examples and sends outliers. With the
-#: default cap (100,000) it holds nearly all the weight; capped at 50 it holds 50 of 180, which
-#: the robust rules bound. The last case (four equal weights) is the median's exact tie.
+#: Five devices, three seeds; device 2 claims 200,000 examples and sends outliers. Capped only
+#: at the default 100,000 (no ratio cap) it holds nearly all of the mean's weight; capped at the
+#: round's median claim (the default max_weight_ratio 1: 35) it holds 35 of 160, and the
+#: robust rules weigh every device 1. The four-device cases take the mean of the two middle
+#: claims as the median (7, 9, 20, 100: 14.5) and show the median's exact tie.
 AGG_G = ((0.5, -1.25, 2.0), (0.25, -1.0, 1.5), (40.0, -35.0, 90.0), (0.375, -0.75, 1.75),
          (0.5, -1.0, 2.25))
 AGG_NUM_EXAMPLES = (40, 30, 200_000, 35, 25)
 AGG_CASES: tuple[tuple[AggregationConfig, tuple[tuple[float, ...], ...], tuple[int, ...]],
                  ...] = (
+    (AggregationConfig(rule="mean", max_weight_ratio=None), AGG_G, AGG_NUM_EXAMPLES),
     (AggregationConfig(rule="mean"), AGG_G, AGG_NUM_EXAMPLES),
-    (AggregationConfig(rule="mean", max_num_examples=50), AGG_G, AGG_NUM_EXAMPLES),
-    (AggregationConfig(rule="clipped_mean", clip_bound=1.5, max_num_examples=50), AGG_G,
+    (AggregationConfig(rule="mean", max_num_examples=50, max_weight_ratio=None), AGG_G,
      AGG_NUM_EXAMPLES),
-    (AggregationConfig(rule="trimmed_mean", trim=0.2, max_num_examples=50), AGG_G,
-     AGG_NUM_EXAMPLES),
-    (AggregationConfig(rule="median", max_num_examples=50), AGG_G, AGG_NUM_EXAMPLES),
+    (AggregationConfig(rule="mean", max_weight_ratio=2.5), AGG_G[:4], (7, 9, 20, 100)),
+    (AggregationConfig(rule="clipped_mean", clip_bound=1.5), AGG_G, AGG_NUM_EXAMPLES),
+    (AggregationConfig(rule="trimmed_mean", trim=0.2), AGG_G, AGG_NUM_EXAMPLES),
+    (AggregationConfig(rule="median"), AGG_G, AGG_NUM_EXAMPLES),
     (AggregationConfig(rule="median"), AGG_G[:4], (9, 9, 9, 9)),
 )
 AGG_SEEDS = (17, 18, 19)
@@ -263,11 +268,12 @@ def _aggregation() -> dict[str, Any]:
     out = []
     for config, rows, num_examples in AGG_CASES:
         g = np.array(rows, dtype=np.float32).astype(np.float64)
-        w = capped_weights(num_examples, config.max_num_examples)
+        w = round_weights(num_examples, config)
         agg = aggregate(g, w, config)
         entry = build_entry("conformance", 0, AGG_SEEDS, g, w, AGG_LR, AGG_P, config)
         out.append({"rule": config.rule, "clip_bound": config.clip_bound, "trim": config.trim,
                     "max_num_examples": config.max_num_examples,
+                    "max_weight_ratio": config.max_weight_ratio,
                     "g": [[f32(v) for v in row] for row in rows],
                     "num_examples": list(num_examples), "weights": [float(v) for v in w],
                     "aggregate": [f64(v) for v in agg],
@@ -308,7 +314,8 @@ def compute_conformance() -> dict[str, Any]:
             "blocks": _blocks(), "slices": _slices(), "masked": _masked(),
             "projected_gradients": _gradients(), "coefficients": _coefficients(),
             "checksums": _checksums(), "replay": _replay(), "aggregation": _aggregation(),
-            "binary_upload": _binary()}
+            "binary_upload": _binary(), "published": published_vectors(),
+            "ternary": ternary_vectors()}
 
 
 def committed_conformance() -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 Every call returns the shared schema of its response (`wire`, `messages`), and a refusal
 raises CoordinatorHttpError with the status and the reason the coordinator gave (its JSON
-`detail`). Paths and headers come from `messages`, so both callers speak the routes the
-coordinator serves.
+`detail`); a coordinator that cannot be reached raises CoordinatorUnreachableError naming
+its URL. Paths and headers come from `messages`, so both callers speak the routes the
+coordinator serves. Every token the client sends or receives is remembered by
+`shared.redact`, so no message or log line that passes through `redact` shows it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .errors import SeedfedError
+from .errors import SeedfedError, UserError
 from .messages import (
     BINARY_CONTENT_TYPE,
     HEADER_CHECKSUM,
@@ -24,6 +26,7 @@ from .messages import (
     Routes,
     TaskStatus,
 )
+from .redact import redact, redact_url, remember
 from .wire import DeviceMetrics, LogEntryWire, RoundPlan, pack_binary
 
 
@@ -31,12 +34,32 @@ class CoordinatorHttpError(SeedfedError, RuntimeError):
     """The coordinator refused a request; carries its status and the reason it gave."""
 
     def __init__(self, status: int, method: str, path: str, detail: str,
-                 error: str | None = None) -> None:
+                 error: str | None = None, url: str = "") -> None:
         super().__init__(f"{method} {path} -> {status}: {detail}")
         self.status = status
         self.detail = detail
         #: The error's type name from the body (`NotFoundError`, ...); None if it had none.
         self.error = error
+        #: The coordinator's base URL (no password, no query), "" when unknown.
+        self.url = url
+
+
+class CoordinatorUnreachableError(UserError, ConnectionError):
+    """No HTTP answer from the coordinator (refused, timed out, unknown host, broken
+    connection); names its URL, never a header."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot reach the coordinator at {url} ({reason})",
+                         "check that it is running and that the URL (--url) is right")
+        self.url = url
+
+
+def _reason(e: httpx.TransportError) -> str:
+    """A transport error in a few words (httpx's own text, or its kind when it has none)."""
+    if isinstance(e, httpx.TimeoutException):
+        return "no answer in time"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return redact(text) or type(e).__name__
 
 
 class CoordinatorClient:
@@ -46,14 +69,25 @@ class CoordinatorClient:
     def __init__(self, http: httpx.Client, token: str | None = None) -> None:
         self.http = http
         self.token = token
+        remember(token)
+
+    @property
+    def url(self) -> str:
+        """The coordinator's base URL, fit for a message (no password, no query)."""
+        return redact_url(str(self.http.base_url)).rstrip("/")
 
     def request(self, method: str, path: str, *, token: str | None = None, auth: bool = True,
                 **kwargs: Any) -> httpx.Response:
         headers = dict(kwargs.pop("headers", {}))
         bearer = token or self.token
+        remember(bearer)
         if auth and bearer is not None:
             headers["Authorization"] = f"Bearer {bearer}"
-        resp = self.http.request(method, path, headers=headers, **kwargs)
+        try:
+            resp = self.http.request(method, path, headers=headers, **kwargs)
+        except httpx.TransportError as e:
+            # httpx's exception holds the request and its headers: keep it out of the chain
+            raise CoordinatorUnreachableError(self.url, _reason(e)) from None
         if resp.status_code >= 400:
             error = None
             try:
@@ -62,7 +96,8 @@ class CoordinatorClient:
                 error = str(body["error"]) if "error" in body else None
             except (ValueError, AttributeError):
                 detail = resp.text
-            raise CoordinatorHttpError(resp.status_code, method, path, detail, error)
+            raise CoordinatorHttpError(resp.status_code, method, path, redact(detail), error,
+                                       self.url)
         return resp
 
     # -- reading a task --------------------------------------------------------------------------
@@ -115,8 +150,10 @@ class CoordinatorClient:
     def enroll(self, task_id: str, join_token: str) -> tuple[str, str]:
         """(device id, device token) for a new device of the task (the join token is its
         credential: no bearer token goes with it)."""
+        remember(join_token)
         body = self.request("POST", Routes(task_id).devices, auth=False,
                             json={"join_token": join_token}).json()
+        remember(str(body["token"]))
         return str(body["device_id"]), str(body["token"])
 
     def upload(self, task_id: str, round_number: int, version: int, scalars: np.ndarray,

@@ -38,3 +38,12 @@ class ChecksumMismatchError(SeedfedError, ValueError):
 
 class WireFormatError(SeedfedError, ValueError):
     """Bytes or JSON on the wire do not follow the schema."""
+
+
+class UserError(SeedfedError):
+    """An error the user can fix: `what` went wrong, naming the file, URL or option, and `hint`,
+    what to do. Command lines print it as one line (`seedfed.cli_errors`)."""
+
+    def __init__(self, what: str, hint: str = "") -> None:
+        super().__init__(f"{what}; {hint}" if hint else what)
+        self.what, self.hint = what, hint

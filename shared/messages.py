@@ -17,6 +17,16 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: What a task waits for (`TaskStatus.waiting_for`; `waiting` says it in words):
+#: devices: an automatic task whose first round opens when a device enrolls;
+#: uploads: the open round, until its quorum or its deadline;
+#: aggregation: its close is running; close_retry: its close failed and is retried;
+#: operator: rounds run by hand (or a close that fails on every attempt: abandon the round);
+#: round_limit: the automatic schedule reached `max_rounds`; schedule: the next round opens now.
+Waiting = Literal["devices", "uploads", "aggregation", "close_retry", "operator", "round_limit",
+                  "schedule"]
+
+
 class TaskStatus(_Message):
     """GET /v1/tasks/{task_id}."""
 
@@ -43,6 +53,22 @@ class TaskStatus(_Message):
     close_error: str | None = None
     close_attempts: int = 0
     close_retry_at: datetime | None = None
+    #: The failing close fails on every attempt (a deterministic error, e.g. a non-finite
+    #: update): it is not retried; abandoning the round lets the task go on.
+    close_permanent: bool = False
+    #: Who opens rounds: "auto" (the coordinator, back to back, until version `max_rounds`)
+    #: or "manual" (only `POST .../rounds`).
+    schedule: Literal["auto", "manual"] = "manual"
+    max_rounds: int | None = None
+    #: The open round: uploads accepted so far and its deadline (0 / None when none is open).
+    uploads: int = 0
+    deadline: datetime | None = None
+    #: What the task waits for, as a keyword (`Waiting`) and in words.
+    waiting_for: Waiting | None = None
+    waiting: str | None = None
+    #: The latest abandoned round and why it was abandoned (None: none was).
+    abandoned_round: int | None = None
+    abandon_reason: str | None = None
 
 
 class CatchupPlan(_Message):
@@ -111,6 +137,7 @@ class Routes:
         self.log = f"{task}/log"
         self.rounds = f"{task}/rounds"  # POST: open a round (admin)
         self.current_round = f"{task}/rounds/current"
+        self.schedule = f"{task}/schedule"  # PATCH: auto or manual rounds, the limit (admin)
 
     def device(self, device_id: str) -> str:
         return f"{self.devices}/{device_id}"  # DELETE: revoke (admin)
@@ -123,6 +150,9 @@ class Routes:
 
     def close(self, round_number: int) -> str:
         return f"{self.task}/rounds/{round_number}/close"
+
+    def abandon(self, round_number: int) -> str:
+        return f"{self.task}/rounds/{round_number}/abandon"  # POST: end it, no version (admin)
 
     def metrics(self, round_number: int) -> str:
         return f"{self.task}/rounds/{round_number}/metrics"  # POST: a device's held-out scores

@@ -669,7 +669,7 @@ def init_prototype_head(model: nn.Module, tokenizer: Any, label_texts: tuple[str
                         scale: float = PROTOTYPE_SCALE) -> None:
     """Set each class row of the head to the centred, normalized feature of its description.
 
-    ZO crawls from a random head (docs/accuracy.md, "Model and head"); starting from
+    ZO crawls from a random head (docs/accuracy.md, "Why each setting"); starting from
     prototypes gives a model that already separates the classes before any training.
     Centring removes the direction all descriptions share, so logits differ only along what
     tells labels apart.

@@ -27,8 +27,10 @@ from torch import nn
 from .scopes import Scope, ScopedTensor
 from .stream import (
     BLOCK_ELEMENTS,
+    Words,
     add_seeds_,
     add_words,
+    on_torch,
     perturbed,
     rademacher_rows,
     tensor_words,
@@ -50,32 +52,43 @@ def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
 
 class SignCache:
     """The stream words of the seed a step probed last, for every whole tensor of the scope,
-    so its +eps probe, its -eps probe and the update generate z once (issue 13). One seed at a
-    time in one buffer allocated once per step (numel / 8 bytes, 1/32 of the scope's float32
-    size; one block, so the probes' temporaries keep reusing the same heap)."""
+    so its +eps probe, its -eps probe and the update generate z once. One seed at a time in
+    one buffer allocated once per step (numel / 8 bytes, 1/32 of the scope's float32 size;
+    one block, so the probes' temporaries keep reusing the same heap). The buffer lives where
+    the stream of the scope's device runs (`stream.on_torch`): numpy for the C kernel, an
+    int64 tensor on the device for the torch ops, so a GPU step never copies words across."""
 
     def __init__(self, scope: Scope) -> None:
         self.seed: int | None = None
         self._spans: dict[str, tuple[int, int]] = {}
         size = 0
+        device: torch.device | None = None
         for t in scope:
             if t.indices is None:
                 words = 4 * -(-t.tensor.numel() // BLOCK_ELEMENTS)
                 self._spans[t.name] = (size, size + words)
                 size += words
-        self._buffer = np.empty(size, dtype=np.uint64)
+                device = t.tensor.device if device is None else device
+        self.device = torch.device("cpu") if device is None else device
+        self._buffer: Words = (torch.empty(size, dtype=torch.int64, device=self.device)
+                               if on_torch(self.device) else np.empty(size, dtype=np.uint64))
         self.generated = 0  # seeds generated (tests count reuse with it)
 
-    def get(self, t: ScopedTensor, seed: int) -> np.ndarray:
+    def get(self, t: ScopedTensor, seed: int) -> Words:
         if seed != self.seed:  # a new seed: every tensor's words at once, into the buffer
             for name, (lo, hi) in self._spans.items():
-                self._buffer[lo:hi] = tensor_words(seed, name, (hi - lo) * 64)
+                words = tensor_words(seed, name, (hi - lo) * 64, self.device)
+                if isinstance(self._buffer, torch.Tensor):
+                    assert isinstance(words, torch.Tensor)
+                    self._buffer[lo:hi].copy_(words)
+                else:
+                    self._buffer[lo:hi] = words
             self.seed = seed
             self.generated += 1
         lo, hi = self._spans[t.name]
         return self._buffer[lo:hi]
 
-    def cached(self, name: str, seed: int) -> np.ndarray | None:
+    def cached(self, name: str, seed: int) -> Words | None:
         span = self._spans.get(name)
         return None if seed != self.seed or span is None else self._buffer[span[0]:span[1]]
 
@@ -187,8 +200,7 @@ def _virtual(scope: Scope, seed: int, scale: float, signs: SignCache | None = No
         ids = args[0]
         assert isinstance(ids, torch.Tensor)
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        delta = rademacher_rows(seed, rows.name, out.shape[-1], uniq.numpy(),
-                                rows.scaled(scale))
+        delta = rademacher_rows(seed, rows.name, out.shape[-1], uniq, rows.scaled(scale))
         return out + delta[inverse]
 
     modules = {id(m): m for pairs in owners.values() for m, _ in pairs}

@@ -796,6 +796,8 @@ def check_task_probes(model: nn.Module, scope: Scope, *, batch_size: int, seq_le
         raise ScopeError(f"{type(model).__name__} names no vocab_size: cannot check its scope")
     tokens = max(1, min(seq_len, CHECK_TOKENS))
     ids = torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = ids.to(device)  # the sentence goes where the model is (drawn on the CPU: same ids)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     found = ProbeEngine(model, scope, _logits_loss).inspect(batch)
     inner = getattr(getattr(model, "base_model", model), "model", model)

@@ -51,7 +51,8 @@ def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
 
 
 def _hash_tensor(h: Any, name: str, values: torch.Tensor) -> None:
-    hash_values(h, name, values.detach().reshape(-1).numpy())
+    # The hash of the same bytes on every device: a GPU tensor's are copied to the host.
+    hash_values(h, name, values.detach().reshape(-1).cpu().numpy())
 
 
 def apply_seeds(scope: Scope, seeds: Sequence[int], coefs: Sequence[float],

@@ -30,7 +30,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypeVar
 
+from . import ranges as R
 from .errors import ScopeError
+from .ranges import Range, bounded, check_fields, check_names, help_of
 
 T = TypeVar("T", bound="ScopeOptions")
 
@@ -82,8 +84,18 @@ class ScopeOptions:
 
     @classmethod
     def help(cls) -> dict[str, str]:
-        """Field name -> what it does."""
-        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+        """Field name -> what it does (and its range, where it has one)."""
+        return help_of(cls)
+
+    def _check_ranges(self, *name_fields: str) -> None:
+        """The ranges of the fields (`seedfed.shared.ranges`) and the sizes of name lists,
+        as ScopeOptionsError naming `scope_options.<field>`."""
+        try:
+            check_fields(self, "scope_options.")
+            for name in name_fields:
+                check_names(f"scope_options.{name}", getattr(self, name))
+        except ValueError as e:
+            raise ScopeOptionsError(f"scope {self.kind!r}: {e}") from None
 
 
 def _is_tuple(hint: Any) -> bool:
@@ -105,6 +117,7 @@ class NamedOptions(ScopeOptions):
         "(e.g. 'classifier' for the head)"))
 
     def __post_init__(self) -> None:
+        self._check_ranges("patterns")
         if not self.patterns or not all(isinstance(p, str) and p for p in self.patterns):
             raise ScopeOptionsError("scope 'named' needs at least one non-empty name pattern, "
                                     f"got {list(self.patterns)}")
@@ -115,12 +128,13 @@ class ScalesOptions(ScopeOptions):
     """The `scales` scope (QZO): the float32 group scales of a quantized model."""
 
     kind: ClassVar[str] = "scales"
-    floor: float = field(default=1e-6, metadata=_help(
+    floor: float = field(default=1e-6, metadata=bounded(Range(0, 1, lo_open=True), (
         "smallest value a scale is clamped to after each update (a scale crossing zero would "
-        "flip the sign of its whole group)"))
+        "flip the sign of its whole group)")))
     include: tuple[str, ...] = field(default=(), metadata=_help(
         "float parameters that train beside the scales, by name substring (e.g. a head)"))
-    group_size: int | None = field(default=None, metadata=_help(
+    group_size: int | None = field(default=None, metadata=bounded(
+        Range(1, 1 << 16, integer=True),
         "the quantization group size; the model is quantized with it (default 64), and "
         "layers that differ are refused"))
     bits: int | None = field(default=None, metadata=_help(
@@ -130,6 +144,7 @@ class ScalesOptions(ScopeOptions):
         "so a device caches the frozen layers below"))
 
     def __post_init__(self) -> None:
+        self._check_ranges("include", "layers")
         if not (isinstance(self.floor, int | float) and math.isfinite(self.floor)
                 and self.floor > 0):
             raise ScopeOptionsError(f"scope 'scales': floor must be positive and finite, got "
@@ -219,11 +234,13 @@ class TernaryOptions(ScopeOptions):
         "which latents train: 'threshold' (nearest the rounding threshold, TerMeZO), "
         "'random' (a baseline), 'full' (every latent; the device then holds them all) or "
         "'none' (no latent: the classification head alone, with train_head)"))
-    fraction: float = field(default=0.01, metadata=_help(
-        "share of each matrix's latents in the mask, in (0, 1]"))
-    epoch_rounds: int = field(default=10, metadata=_help(
+    fraction: float = field(default=0.01, metadata=bounded(
+        Range(0, 1, lo_open=True), "share of each matrix's latents in the mask"))
+    epoch_rounds: int = field(default=10, metadata=bounded(
+        Range(1, R.MAX_INT32, integer=True),
         "versions per mask epoch: masks (and gammas) are re-chosen every epoch_rounds versions"))
-    seed: int = field(default=0, metadata=_help("seed of the 'random' selection (a uint64)"))
+    seed: int = field(default=0, metadata=bounded(
+        Range(0, _UINT64_MAX, integer=True), "seed of the 'random' selection (a uint64)"))
     refresh_gamma: bool = field(default=True, metadata=_help(
         "recompute every gamma = mean |W| at each mask epoch (BitNet semantics)"))
     train_head: bool = field(default=False, metadata=_help(
@@ -233,19 +250,23 @@ class TernaryOptions(ScopeOptions):
         "latents alone, so no seed perturbs both (a head direction moves the loss far more "
         "than a latent's, and would decide every scalar); a head epoch's probes share the "
         "frozen encoder's forward, so they are cheap"))
-    head_lr: float | None = field(default=None, metadata=_help(
+    head_lr: float | None = field(default=None, metadata=bounded(Range(R.MIN_LR, R.MAX_LR), (
         "with alternate: the lr the head epochs' rounds plan (the task's lr schedule applied "
-        "to it as to the task's lr); None: the task's lr"))
-    head_perturbations: int | None = field(default=None, metadata=_help(
+        "to it as to the task's lr); None: the task's lr")))
+    head_perturbations: int | None = field(default=None, metadata=bounded(
+        Range(1, R.MAX_PERTURBATIONS, integer=True), (
         "with alternate: seeds per step in the head epochs' rounds (cheap probes afford "
-        "many more); None: the task's"))
-    head_steps: int | None = field(default=None, metadata=_help(
+        "many more); None: the task's")))
+    head_steps: int | None = field(default=None, metadata=bounded(
+        Range(1, R.MAX_STEPS, integer=True), (
         "with alternate: local steps per round in the head epochs (each a new batch: one "
-        "encoder forward, then the head's cheap probes); None: the task's"))
-    act_bits: int | None = field(default=8, metadata=_help(
+        "encoder forward, then the head's cheap probes); None: the task's")))
+    act_bits: int | None = field(default=8, metadata=bounded(
+        Range(2, 16, integer=True),
         "activation quantization bits of the BitLinear layers (None: float activations)"))
 
     def __post_init__(self) -> None:
+        self._check_ranges()
         try:
             self.mask  # noqa: B018  (MaskConfig validates the mask fields)
         except ValueError as e:

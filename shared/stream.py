@@ -13,16 +13,27 @@ the same bits: the C kernel (`zkernel`, built with the package: Philox and the a
 seed of an entry fused into one pass over each tensor), the numpy path (numpy's Philox bit
 generator yields exactly this stream; the fallback without a compiler, and the kernel's
 reference), and `philox4x64_10`, an independent pure-Python Philox checked against the
-Random123 known answers.
+Random123 known answers. A fourth, `torch_philox`, runs the stream in torch integer ops on the
+tensor's own device.
+
+Where the work runs: a CPU tensor takes the C kernel (numpy without it); a tensor on any other
+device (a GPU) takes the torch ops there, so nothing crosses to the host. The
+environment variable SEEDFED_STREAM=torch (or `torch_stream()` in a process) sends CPU tensors
+through the torch ops too (the bits are the same: CI proves it this way on machines without a
+GPU). Either way each element sees one IEEE float32 addition per seed, in plan order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
 import torch
+
+from . import torch_philox
 
 # The integer part of the stream is numpy-only and lives in `philox.py` (an inference-engine
 # device uses it without torch); it is re-exported here, its one definition.
@@ -36,6 +47,61 @@ from .philox import stream_words as stream_words
 from .philox import stream_words_at as stream_words_at
 from .philox import tensor_id as tensor_id
 from .zkernel import KERNEL
+
+#: Environment variable choosing where CPU tensors' stream runs, read when the module loads:
+#: "auto" (the default: the C kernel, or numpy without it) or "torch" (the torch ops every
+#: other device uses). `force_torch` / `torch_stream` switch it in a running process.
+STREAM_ENV = "SEEDFED_STREAM"
+STREAM_CHOICES = ("auto", "torch")
+#: Stream words of a tensor (`tensor_words`): uint64 numpy on the kernel / numpy path, int64
+#: bit patterns on the tensor's device on the torch path; `add_words` takes either.
+Words = np.ndarray | torch.Tensor
+
+
+def forced_by_environment() -> bool:
+    """Does SEEDFED_STREAM send CPU tensors through the torch ops?"""
+    value = os.environ.get(STREAM_ENV, "") or "auto"
+    if value not in STREAM_CHOICES:
+        raise ValueError(f"{STREAM_ENV}={value!r} is not one of {', '.join(STREAM_CHOICES)}; "
+                         f"unset it or set it to one of them")
+    return value == "torch"
+
+
+_CPU = torch.device("cpu")
+# A module flag, not an environment lookup per call: small tensors (heads, adapters) make
+# thousands of stream calls a step, and reading os.environ costs more than the check.
+_torch_forced = forced_by_environment()
+
+
+def torch_forced() -> bool:
+    """Do CPU tensors take the torch ops now?"""
+    return _torch_forced
+
+
+def force_torch(enabled: bool) -> bool:
+    """Send CPU tensors through the torch ops (True) or the C kernel / numpy (False);
+    returns the previous setting."""
+    global _torch_forced
+    previous, _torch_forced = _torch_forced, bool(enabled)
+    return previous
+
+
+@contextmanager
+def torch_stream(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, CPU tensors' stream runs in torch ops (or not, with False)."""
+    previous = force_torch(enabled)
+    try:
+        yield
+    finally:
+        force_torch(previous)
+
+
+def on_torch(device: torch.device | str) -> bool:
+    """Does the stream of a tensor on `device` run in torch ops (any non-CPU device, or the
+    CPU while `torch_forced()`)?"""
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    # `!= _CPU` first: comparing devices costs a tenth of reading `.type` (a new string)
+    return _torch_forced or (dev != _CPU and dev.type != "cpu")
 
 
 def _check_seed(seed: int) -> None:
@@ -75,7 +141,11 @@ def _add_dense(dst: torch.Tensor, src: torch.Tensor, tid: int, seeds: Sequence[i
 
     `scales` are float32 values (one per seed; rounding them is the caller's rule). The C
     kernel applies all seeds in one pass over memory, tile by tile in L1; the numpy path
-    chunk by chunk in L2. Both are the seed-by-seed order element by element."""
+    chunk by chunk in L2; the torch ops chunk by chunk on the tensors' device. All are the
+    seed-by-seed order element by element."""
+    if on_torch(dst.device):
+        torch_philox.add_dense(dst, src, tid, seeds, scales)
+        return
     if KERNEL is not None:
         for seed in seeds:
             _check_seed(seed)
@@ -118,19 +188,30 @@ def perturbed(x: torch.Tensor, name: str, seed: int, scale: float) -> torch.Tens
     return out
 
 
-def tensor_words(seed: int, name: str, numel: int) -> np.ndarray:
+def tensor_words(seed: int, name: str, numel: int, device: torch.device | str = "cpu") -> Words:
     """The stream words of a whole tensor (numel / 8 bytes): what `add_words` needs to apply
-    seed `seed` again without generating it (a ZO step's two probes and update)."""
+    seed `seed` again without generating it (a ZO step's two probes and update). On the
+    torch path (`on_torch(device)`), an int64 tensor on `device`."""
     _check_seed(seed)
     n_blocks = -(-numel // BLOCK_ELEMENTS)
+    if on_torch(device):
+        return torch_philox.words(seed, tensor_id(name), 0, n_blocks, device)
     if KERNEL is not None:
         return KERNEL.words(seed, tensor_id(name), 0, n_blocks)
     return _stream_gen(seed, tensor_id(name), 0).random_raw(4 * n_blocks)
 
 
-def add_words(dst: torch.Tensor, src: torch.Tensor, words: np.ndarray, scale: float) -> None:
+def add_words(dst: torch.Tensor, src: torch.Tensor, words: Words, scale: float) -> None:
     """dst = src + scale * z over flat float32 tensors (dst may be src), z from `tensor_words`
-    of the tensor: the bits of `_add_dense` with that seed (`scale` already float32)."""
+    of the tensor: the bits of `_add_dense` with that seed (`scale` already float32). Words
+    of either form are taken by either path (moved once if they live elsewhere)."""
+    if on_torch(dst.device):
+        if isinstance(words, np.ndarray):
+            words = torch.from_numpy(words.astype(np.uint64, copy=False).view(np.int64))
+        torch_philox.add_words(dst, src, words.to(dst.device), scale)
+        return
+    if isinstance(words, torch.Tensor):
+        words = words.cpu().numpy().view(np.uint64)
     if KERNEL is not None:
         KERNEL.add_words(dst, src, words, scale)
         return
@@ -152,6 +233,10 @@ def perturbed_pair(x: torch.Tensor, name: str, seed: int, scale: float,
     plus, minus = torch.empty_like(src), torch.empty_like(src)
     flat, fp, fm = src.view(-1), plus.view(-1), minus.view(-1)
     c = float(np.float32(scale))
+    if on_torch(src.device):
+        torch_philox.perturb_pairs(flat, fp.view(1, -1), fm.view(1, -1), [seed],
+                                   tensor_id(name), c)
+        return plus, minus
     if KERNEL is not None:
         _check_seed(seed)
         KERNEL.perturb_pair(flat, fp, fm, seed, tensor_id(name), c)
@@ -177,9 +262,12 @@ def perturbed_pairs(x: torch.Tensor, name: str, seeds: Sequence[int], scale: flo
     for seed in seeds:
         _check_seed(seed)
     src = x.detach().contiguous().view(-1)
-    plus = torch.empty((len(seeds), src.numel()), dtype=torch.float32)
+    plus = torch.empty((len(seeds), src.numel()), dtype=torch.float32, device=src.device)
     minus = torch.empty_like(plus)
-    if KERNEL is not None:
+    if on_torch(src.device):
+        torch_philox.perturb_pairs(src, plus, minus, seeds, tensor_id(name),
+                                   float(np.float32(scale)))
+    elif KERNEL is not None:
         KERNEL.perturb_pairs(src, plus, minus, seeds, tensor_id(name), float(np.float32(scale)))
     else:
         for i, seed in enumerate(seeds):
@@ -194,19 +282,30 @@ def _check_range(numel: int, start: int, stop: int) -> None:
 
 
 def rademacher(seed: int, name: str, numel: int, start: int = 0, stop: int | None = None,
-               scale: float = 1.0) -> torch.Tensor:
-    """scale * z[start:stop] as float32; only the blocks the slice touches are generated."""
+               scale: float = 1.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """scale * z[start:stop] as float32 on `device`; only the blocks the slice touches are
+    generated."""
     stop = numel if stop is None else stop
     _check_range(numel, start, stop)
     first, last = start // BLOCK_ELEMENTS, -(-stop // BLOCK_ELEMENTS)
-    words = stream_words(seed, tensor_id(name), first, last - first)
     offset = start - first * BLOCK_ELEMENTS
-    return _expand(words, float(np.float32(scale)), offset + stop - start)[offset:].clone()
+    c = float(np.float32(scale))
+    if on_torch(device):
+        w = torch_philox.words(seed, tensor_id(name), first, last - first, device)
+        return torch_philox.expand(w, c, stop - start, offset).clone()
+    words = stream_words(seed, tensor_id(name), first, last - first)
+    return _expand(words, c, offset + stop - start)[offset:].clone()
 
 
 def rademacher_at(seed: int, name: str, indices: torch.Tensor | np.ndarray,
                   scale: float = 1.0) -> torch.Tensor:
-    """scale * z at the given flat element indices, costing only the blocks they touch."""
+    """scale * z at the given flat element indices, costing only the blocks they touch (on
+    the indices' device when they are a tensor, else on the CPU)."""
+    if isinstance(indices, torch.Tensor) and on_torch(indices.device):
+        idx = indices.reshape(-1).to(torch.int64)
+        if idx.numel() and int(idx.min()) < 0:
+            raise ValueError(f"negative element index {int(idx.min())}")
+        return torch_philox.z_at(seed, tensor_id(name), idx, float(np.float32(scale)))
     return torch.from_numpy(np.float32(scale) * signs_at(seed, name, np.asarray(indices)))
 
 
@@ -216,10 +315,18 @@ def rademacher_rows(seed: int, name: str, row_len: int, rows: torch.Tensor | np.
 
     Costs only the blocks the rows touch (an embedding lookup needs the rows of the batch's
     tokens, not the whole vocabulary); element (r, j) is element r * row_len + j of the stream.
+    On the rows' device when they are a tensor, else on the CPU.
     """
-    r = np.asarray(rows, dtype=np.int64).reshape(-1)
     if row_len < 1:
         raise ValueError(f"row length must be >= 1, got {row_len}")
+    if isinstance(rows, torch.Tensor) and on_torch(rows.device):
+        rt = rows.reshape(-1).to(torch.int64)
+        if rt.numel() == 0:
+            return torch.zeros((0, row_len), dtype=torch.float32, device=rt.device)
+        if int(rt.min()) < 0:
+            raise ValueError(f"negative row index {int(rt.min())}")
+        return torch_philox.z_rows(seed, tensor_id(name), row_len, rt, float(np.float32(scale)))
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
     if r.size == 0:
         return torch.zeros((0, row_len), dtype=torch.float32)
     if r.min() < 0:
@@ -256,6 +363,16 @@ def add_seeds_(x: torch.Tensor, name: str, seeds: Sequence[int], coefs: Sequence
         if compact and indices.numel() != flat.numel():
             raise ValueError(f"{name}: compact tensor of {flat.numel()} elements, "
                              f"{indices.numel()} indices")
+        if on_torch(flat.device):
+            idx_t = indices.reshape(-1).to(device=flat.device, dtype=torch.int64)
+            # z is read at the indices before any write: check them as index_add_ would.
+            if idx_t.numel() and (int(idx_t.min()) < 0 or
+                                  (not compact and int(idx_t.max()) >= flat.numel())):
+                raise IndexError(f"{name}: index out of range for {flat.numel()} elements")
+            for seed in seeds:
+                _check_seed(seed)
+            torch_philox.add_indexed(flat, idx_t, compact, tid, seeds, scales)
+            return
         if KERNEL is not None and seeds:
             idx = np.ascontiguousarray(indices.reshape(-1).numpy(), dtype=np.int64)
             # The kernel writes through the indices: check them as index_add_ would.

@@ -176,8 +176,9 @@ class Upload(_Schema):
     version: VersionNumber
     shape: tuple[Dim, Dim]
     scalars: str  # base64 float32 LE, see encode_scalars; each |g| <= MAX_ABS_SCALAR
-    #: Aggregation weight: the size of the device's local training set (FedAvg's n_k). The
-    #: coordinator caps the weight at the task's `max_num_examples`.
+    #: The size of the device's local training set (FedAvg's n_k), a claim: the coordinator
+    #: turns it into a weight by `shared.aggregate.round_weights` (capped for the mean, ignored
+    #: by the robust rules).
     num_examples: int = Field(strict=True, ge=1, le=MAX_NUM_EXAMPLES)
     loss: float = Field(strict=True, ge=-MAX_ABS_LOSS, le=MAX_ABS_LOSS)
 

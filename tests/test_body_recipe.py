@@ -32,7 +32,9 @@ def test_body_scope_selects_the_recipe_with_its_fleet(tmp_path: Path) -> None:
     assert spec.step_scales == recipes.BODY_STEP_SCALES and spec.hyper == body.spec.hyper
     assert spec.format == "int8"
     assert recipe_fleet(data, None, "int8", "body") == (body.rounds, body.per_round)
-    assert recipe_fleet(data, None, None, "head") == (30, None)
+    head = recipes.sst2_recipe()
+    assert recipe_fleet(data, None, None, "head") == (head.rounds, head.per_round)
+    assert recipe_fleet(data, None, None, "lora") == (30, None)  # no recipe: every device
 
 
 def test_the_head_recipes_lr_schedule_spans_the_runs_rounds(tmp_path: Path) -> None:
@@ -87,6 +89,7 @@ def test_estimate_scales_one_measured_step_by_the_run(tmp_path: Path) -> None:
                               evals=0)
 
     assert small.step_s > 0 and small.device_steps == 10 * 4 * spec.hyper.steps
-    assert small.seconds == pytest.approx(small.step_s * small.device_steps / 2)
+    assert small.seconds == pytest.approx(small.step_s * small.device_steps / 2
+                                          + small.startup_s + small.round_rest_s)
     assert evaluations(300, 25) == 12 and evaluations(10, 3) == 4
     assert "expected duration" in small.describe()

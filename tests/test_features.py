@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from seedfed.client.device_data import DeviceData
+from seedfed.client.device_data import DeviceData, fleet_texts
 
-from seedfed.features import AUTO, RUN, RUN_DIR_NAME, SharedFeatures, prefill, store_root
+from seedfed.features import (
+    AUTO,
+    PREFILL_CHUNK_MIN,
+    RUN,
+    RUN_DIR_NAME,
+    SharedFeatures,
+    prefill,
+    store_root,
+)
 from seedfed.simulate import SimulationConfig, task_spec_for
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
@@ -90,17 +98,21 @@ def test_the_store_lives_in_the_users_cache_unless_told_otherwise(
     assert store_root(str(tmp_path / "given"), run) == tmp_path / "given"
 
 
-def test_prefill_encodes_every_devices_sentences_once_and_reports_each_partition(
+def test_prefill_encodes_the_fleets_sentences_once_and_reports_progress(
         tmp_path: Path) -> None:
-    data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=120))
+    # Arrange: 3 devices' sentences, in chunks of at most PREFILL_CHUNK_MIN
+    data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=700))
     config = SimulationConfig(out=tmp_path / "run", data=data,
                               model=str(make_tiny_sentence_bert(tmp_path / "m")))
     spec = task_spec_for(config, ("bad", "good"))
     store, seen = SharedFeatures(tmp_path / "features"), []
-
-    first = prefill(store, spec, DeviceData(source=data, num_partitions=3), 3, 1,
-                    lambda done, total: seen.append((done, total)))
-    again = prefill(store, spec, DeviceData(source=data, num_partitions=3), 3, 1)
-
-    assert seen == [(1, 3), (2, 3), (3, 3)]
+    texts = fleet_texts(DeviceData(source=data, num_partitions=3))
+    # Act
+    first = prefill(store, spec, texts, 1, lambda done, total: seen.append((done, total)))
+    again = prefill(store, spec, texts, 1)
+    # Assert
+    n = len(set(texts))
+    chunks = -(-n // PREFILL_CHUNK_MIN)
+    assert chunks > 1 and len(seen) == chunks and seen[-1] == (n, n)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert first > 0 and again == 0  # the second reads every row back from the store

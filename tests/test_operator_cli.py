@@ -143,6 +143,80 @@ def test_no_admin_token_is_a_usage_error(live: Live) -> None:
     assert code == 2 and "SEEDFED_ADMIN_TOKEN" in err
 
 
+# -- who opens rounds, abandoning one -------------------------------------------------------------
+def test_task_create_sets_who_opens_rounds_and_show_says_what_the_task_waits_for(
+        live: Live) -> None:
+    # Act (this coordinator runs no automatic schedule: the auto task waits for an operator)
+    auto = create(live, "--rounds", "4")["task_id"]
+    manual = create(live, "--manual")["task_id"]
+    _, auto_shown, _ = cli("task", "show", auto, "--url", live.url, "--json")
+    _, manual_table, _ = cli("task", "show", manual, "--url", live.url)
+    _, auto_table, _ = cli("task", "show", auto, "--url", live.url)
+
+    # Assert
+    info = json.loads(auto_shown)
+    assert (info["schedule"], info["max_rounds"], info["waiting_for"]) == ("auto", 4, "operator")
+    assert "automatic, back to back until v4" in auto_table and "auto_open_rounds" in auto_table
+    assert "by hand" in manual_table and f"seedfed round open {manual}" in manual_table
+
+
+def test_round_schedule_hands_rounds_back_and_changes_the_limit(live: Live) -> None:
+    task_id = create(live, "--manual")["task_id"]
+
+    code, out, err = cli("round", "schedule", task_id, "--auto", "--rounds", "3", "--url",
+                         live.url, "--json")
+    _, cleared, _ = cli("round", "schedule", task_id, "--no-limit", "--url", live.url, "--json")
+    both, _, both_err = cli("round", "schedule", task_id, "--rounds", "2", "--no-limit",
+                            "--url", live.url)
+
+    assert code == 0, err
+    assert (json.loads(out)["schedule"], json.loads(out)["max_rounds"]) == ("auto", 3)
+    assert (json.loads(cleared)["schedule"], json.loads(cleared)["max_rounds"]) == ("auto", None)
+    assert both == 2 and "--no-limit" in both_err
+
+
+def test_round_open_takes_an_automatic_task_over_and_says_so(live: Live) -> None:
+    task_id = create(live)["task_id"]
+
+    code, _, err = cli("round", "open", task_id, "--url", live.url)
+    _, shown, _ = cli("task", "show", task_id, "--url", live.url, "--json")
+
+    assert code == 0 and "runs its rounds by hand" in err
+    assert json.loads(shown)["schedule"] == "manual"
+
+
+def test_round_abandon_ends_the_open_round_with_its_reason_shown(live: Live) -> None:
+    # Arrange: a round with an upload
+    created = create(live, "--manual")
+    task_id = created["task_id"]
+    with httpx.Client(base_url=live.url) as http:
+        _, token = CoordinatorClient(http).enroll(task_id, created["join_token"])
+        plan = json.loads(cli("round", "open", task_id, "--url", live.url, "--json")[1])
+        CoordinatorClient(http, token).upload(task_id, plan["round"], plan["version"],
+                                              np.full((1, 2), 0.25, dtype=np.float32), 12, 0.5)
+
+    # Act: the round by default (the open one), then again
+    code, out, err = cli("round", "abandon", task_id, "--reason", "labels were swapped",
+                         "--url", live.url, "--json")
+    again, _, again_err = cli("round", "abandon", task_id, "1", "--reason", "twice", "--url",
+                              live.url)
+    none_open, _, none_err = cli("round", "abandon", task_id, "--reason", "x", "--url",
+                                 live.url)
+    _, table, _ = cli("task", "show", task_id, "--url", live.url)
+    _, shown, _ = cli("task", "show", task_id, "--url", live.url, "--json")
+
+    # Assert
+    assert code == 0, err
+    done = json.loads(out)
+    assert (done["round"], done["uploads"], done["version"]) == (1, 1, 0)
+    assert again == 1 and "409 RoundClosedError" in again_err and "abandoned" in again_err
+    assert none_open == 1 and "no open or aggregating round" in none_err
+    info = json.loads(shown)
+    assert (info["abandoned_round"], info["abandon_reason"]) == (1, "labels were swapped")
+    assert info["rounds"][0]["state"] == "abandoned"
+    assert "round 1: labels were swapped" in table
+
+
 # -- build_spec, a pure function ------------------------------------------------------------------
 def test_a_recipe_with_overrides_keeps_what_was_not_overridden(tmp_path: Path) -> None:
     spec = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), perturbations=8,
@@ -182,4 +256,48 @@ def test_invalid_options_are_refused_before_any_request(tmp_path: Path) -> None:
         build_spec(CreateOptions(recipe=None, model=str(tmp_path), aggregation="mode"))
     code, _, err = cli("task", "create", "--url", "http://127.0.0.1:9", "--model",
                        str(tmp_path), "--lr", "-1")
-    assert code == 2 and "lr must be positive" in err
+    assert code == 2 and "hyper.lr must be in" in err
+
+
+def test_the_admin_token_as_an_option_and_a_recipe_shown_as_what_it_is(live: Live) -> None:
+    # Act: no token in the environment, the option instead; a task from a recipe
+    code, out, err = cli("task", "create", "--url", live.url, "--recipe", "preference",
+                         "--model", str(live.model), "--admin-token", ADMIN_TOKEN, "--json",
+                         env={"SEEDFED_ADMIN_TOKEN": ""})
+    task_id = json.loads(out)["task_id"] if code == 0 else ""
+    _, listed, _ = cli("task", "list", "--url", live.url, "--json")
+    _, table, _ = cli("task", "show", task_id, "--url", live.url)
+
+    # Assert: named after its recipe, its scope the recipe's head (not "named")
+    assert code == 0, err
+    (mine,) = [t for t in json.loads(listed) if t["task_id"] == task_id]
+    assert (mine["name"], mine["scope"], mine["scope_label"]) == ("preference", "named", "head")
+    assert "head (" in table and "(preference)" in table
+
+
+def test_the_scope_label_names_what_a_scope_trains() -> None:
+    from seedfed.operator_cli import scope_label
+
+    assert scope_label({"scope": "named", "scope_options": {"patterns": ["classifier"]}}) == "head"
+    assert scope_label({"scope": "named", "scope_options": {"patterns": ["a", "b"]}}) == \
+        "named (a, b)"
+    assert scope_label({"scope": "lora", "lora": {"r": 8, "target_modules": ["dense"],
+                                                  "train_head": True}}) == \
+        "lora r8 (dense + head)"
+    assert scope_label({"scope": "full"}) == "full"
+
+
+def test_every_operator_command_takes_the_admin_token_as_an_option() -> None:
+    import click
+    import typer.main
+
+    root = typer.main.get_command(app)
+    assert isinstance(root, click.Group)
+    commands = [(f"{group} {name}", cmd) for group in ("task", "round", "devices")
+                for name, cmd in root.commands[group].commands.items()]  # type: ignore[attr-defined]
+
+    for path, cmd in commands:
+        (option,) = [p for p in cmd.params if "--admin-token" in p.opts]
+        assert option.envvar == "SEEDFED_ADMIN_TOKEN", path
+        assert "SEEDFED_ADMIN_TOKEN" in (option.help or ""), path  # type: ignore[attr-defined]
+    assert len(commands) >= 7

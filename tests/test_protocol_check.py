@@ -52,7 +52,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
 def test_a_real_coordinator_passes_every_check(live: tuple[str, str]) -> None:
     url, task_id = live
 
-    r = CliRunner().invoke(app, ["protocol", "check", url, "--json"],
+    r = CliRunner().invoke(app, ["protocol", "check", "--url", url, "--json"],
                            env={"SEEDFED_ADMIN_TOKEN": ADMIN_TOKEN})
 
     result = json.loads(r.stdout)
@@ -92,3 +92,12 @@ def test_vectors_all_prints_the_kit() -> None:
 
     assert r.exit_code == 0
     assert json.loads(r.stdout) == json.loads(json.dumps(all_vectors(), ensure_ascii=False))
+
+
+def test_the_positional_url_still_works_and_says_it_is_deprecated(
+        live: tuple[str, str]) -> None:
+    r = CliRunner().invoke(app, ["protocol", "check", live[0], "--admin-token", ADMIN_TOKEN])
+
+    assert r.exit_code == 0, r.output
+    assert "deprecated: use --url" in r.stderr
+    assert ADMIN_TOKEN not in r.output

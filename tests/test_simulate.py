@@ -182,3 +182,13 @@ def test_personalization_leaves_the_upload_bytes_unchanged(
         r["upload_bytes_per_device"] for r in plain["rounds"]]
     assert plain["personalization"] is None
     assert all(d["personal_accuracy"] is None for d in plain["devices"])
+
+
+@pytest.mark.parametrize("ratio, words", [
+    (0.745, "ratio 0.745 (1.3x less)"), (1.95e-5, "ratio 1.95e-05 (51,282x less)"),
+    (2.5, "ratio 2.5 (2.5x more)"), (1.0, "ratio 1 (the same)"), (0.05, "ratio 0.05 (20x less)"),
+])
+def test_the_upload_ratio_is_printed_as_a_person_reads_it(ratio: float, words: str) -> None:
+    from seedfed.simulate import ratio_words
+
+    assert ratio_words(ratio) == words

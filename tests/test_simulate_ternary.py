@@ -84,7 +84,7 @@ def test_without_rounds_the_ternary_recipe_sets_rounds_and_devices_per_round() -
     recipe = ternary_recipe("unused", sst2=True)
 
     assert recipe_fleet("train.tsv", "unused", "ternary") == (recipe.rounds, recipe.per_round)
-    assert recipe_fleet("train.tsv", None, "fp32") == (30, None)
+    assert recipe_fleet("train.tsv", None, "fp32") == (300, 20)  # the SST-2 head recipe's
 
 
 def test_the_recipe_trains_the_head_of_a_ternary_classifier_on_packed_devices(

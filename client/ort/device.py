@@ -214,14 +214,21 @@ class OrtDevice:
         """(accuracy, mean loss) of the state it holds on labelled examples; (0, 0) for none."""
         if self.state is None:
             raise OrtDeviceError("the device holds no state to score")
-        if len(examples) == 0:
-            return 0.0, 0.0
-        stacked = {k: v[None] for k, v in self.state.items()}
-        correct, loss_sum = 0, 0.0
-        for start in range(0, len(examples), EVAL_BATCH):
-            texts = examples.texts[start:start + EVAL_BATCH]
-            labels = examples.labels[start:start + EVAL_BATCH]
-            logits = self.model.logits(self.model.features(texts), stacked)
-            loss_sum += float(example_losses(logits, labels)[0].sum(dtype=np.float32))
-            correct += int((logits[0].argmax(axis=-1) == labels).sum())
-        return correct / len(examples), loss_sum / len(examples)
+        return score_state(self.model, self.state, examples)
+
+
+def score_state(model: OrtModel, state: npzo.NpState, examples: data_mod.Examples,
+                ) -> tuple[float, float]:
+    """(accuracy, mean loss) of a trainable state on the bundle's forward; (0, 0) for no
+    examples (a device's held-out set; `seedfed evaluate --device` on a stored state)."""
+    if len(examples) == 0:
+        return 0.0, 0.0
+    stacked = {k: v[None] for k, v in state.items()}
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(examples), EVAL_BATCH):
+        texts = examples.texts[start:start + EVAL_BATCH]
+        labels = examples.labels[start:start + EVAL_BATCH]
+        logits = model.logits(model.features(texts), stacked)
+        loss_sum += float(example_losses(logits, labels)[0].sum(dtype=np.float32))
+        correct += int((logits[0].argmax(axis=-1) == labels).sum())
+    return correct / len(examples), loss_sum / len(examples)

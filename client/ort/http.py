@@ -3,7 +3,10 @@
 The same protocol as `client.http_device` (enroll with the join token, fetch the task
 definition, follow the coordinator's catch-up plan, train the open round, upload the scalars in
 the binary form), with the same state directory layout: `device.json` (id, token, version,
-checksum; mode 0600) and `state.safetensors` (the trainable state, flat float32).
+checksum, the bundle's path; mode 0600), `state.safetensors` (the trainable state, flat float32)
+and `task.json` (the task definition; `seedfed evaluate --device` scores offline), and the same
+checks before it enrolls (`prepare`, `client.preflight`): coordinator, token, data against
+the task, and the bundle loaded and matched to the task.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from typing import Any
 import httpx
 from safetensors import SafetensorError
 from seedfed.client import data as data_mod
+from seedfed.client import preflight
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.endpoint import check_endpoint, poll_rounds
-from seedfed.shared.coordinator_client import CoordinatorClient
+from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
 from seedfed.shared.errors import SeedfedError
 from seedfed.shared.npzo import LogEntry
 from seedfed.shared.task import TaskSpec
@@ -33,6 +37,11 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.safetensors"
 META_FILE = "device.json"
+#: The task definition the device serves (as `client.http_device` keeps it).
+TASK_FILE = "task.json"
+#: `backend` in device.json, with `bundle` (the ORT bundle's path): how `seedfed evaluate
+#: --device` tells an ORT device's directory from a torch device's.
+BACKEND = "ort"
 
 
 @dataclass(frozen=True)
@@ -69,9 +78,11 @@ class OrtHttpDevice:
     def __init__(self, config: OrtDeviceConfig, client: httpx.Client | None = None) -> None:
         self.config = config
         self.http = client or httpx.Client(base_url=config.url, timeout=config.timeout_s)
-        config.state_dir.mkdir(parents=True, exist_ok=True)
         self.meta: dict[str, Any] = self._read_meta()
         self.device: OrtDevice | None = None
+        #: The data bound to the task's labels (`prepare`); the configured data until then.
+        self.data: DeviceData = config.data
+        self._prepared = False
         self._examples: data_mod.Examples | None = None
 
     # -- state directory -----------------------------------------------------------------------
@@ -79,13 +90,19 @@ class OrtHttpDevice:
         path = self.config.state_dir / META_FILE
         if not path.is_file():
             return {}
-        meta = dict(json.loads(path.read_text()))
+        try:
+            meta = dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise preflight.DeviceSetupError(f"{path} is unreadable ({e})",
+                                             "move it away or use another --state-dir") from e
         if meta.get("task_id") != self.config.task_id:
             raise ValueError(f"{self.config.state_dir} belongs to task {meta.get('task_id')!r}, "
                              f"not {self.config.task_id!r}; use another --state-dir")
         return meta
 
     def _write_meta(self) -> None:
+        # made on the first write: a device that fails its checks leaves nothing behind
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.config.state_dir / META_FILE
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the token
@@ -97,11 +114,18 @@ class OrtHttpDevice:
         device = self.load_device()
         if device.version is None:
             return
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.config.state_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(device.state_bytes())
         os.replace(tmp, path)
-        self.meta.update(version=device.version, checksum=device.checksum)
+        # the task and the bundle beside the state: `seedfed evaluate --device` scores it offline
+        task = self.config.state_dir / TASK_FILE
+        if not task.is_file():
+            task.with_suffix(".tmp").write_text(json.dumps(device.spec.to_dict()))
+            os.replace(task.with_suffix(".tmp"), task)
+        self.meta.update(version=device.version, checksum=device.checksum, backend=BACKEND,
+                         bundle=str(self.config.bundle.resolve()))
         self._write_meta()
 
     @property
@@ -111,12 +135,30 @@ class OrtHttpDevice:
         return CoordinatorClient(self.http, str(self.meta["token"]))
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check, before taking part, the data file, the coordinator and this device's token,
+        the data against the task's labels and the bundle against the task (loaded here).
+        Raises DeviceSetupError or DataFormatError, having enrolled nothing."""
+        if self._prepared:
+            return
+        preflight.check_data_file(self.config.data)
+        spec = TaskSpec.from_dict(preflight.read_task(
+            self.http, self.config.task_id, device_token=self.meta.get("token"),
+            join_token=self.config.join_token))
+        self.data, split = preflight.task_examples(self.config.data, spec)
+        self._examples = split[0]
+        if self.device is None:
+            self._build_device(spec)
+        self._prepared = True
+
     def enroll(self) -> str:
-        """Enroll once with the join token; later runs reuse the stored device token."""
+        """Enroll once with the join token, after `prepare`; later runs reuse the stored
+        device token."""
         if "token" in self.meta:
             return str(self.meta["device_id"])
         if not self.config.join_token:
             raise SeedfedError("this device has no token yet: pass the task's join token")
+        self.prepare()
         device_id, token = CoordinatorClient(self.http).enroll(self.config.task_id,
                                                                self.config.join_token)
         self.meta.update(device_id=device_id, token=token)
@@ -126,18 +168,28 @@ class OrtHttpDevice:
     def load_device(self) -> OrtDevice:
         """The task's device on the bundle, with the stored state when it verifies."""
         if self.device is None:
-            spec = TaskSpec.from_dict(self.api.spec(self.config.task_id))
+            self._build_device(TaskSpec.from_dict(self.api.spec(self.config.task_id)))
+        assert self.device is not None
+        return self.device
+
+    def _build_device(self, spec: TaskSpec) -> None:
+        try:
             device = OrtDevice(spec, self.config.task_id,
                                OrtModel(self.config.bundle, threads=self.config.threads))
-            stored = self.config.state_dir / STATE_FILE
-            if self.meta.get("version") is not None and stored.is_file():
-                try:
-                    device.load_snapshot(stored.read_bytes(), int(self.meta["version"]),
-                                         str(self.meta["checksum"]))
-                except (SeedfedError, SafetensorError, OSError) as e:
-                    log.warning("stored state is unusable (%s); will download a snapshot", e)
-            self.device = device
-        return self.device
+        except (SeedfedError, OSError, ValueError, KeyError, RuntimeError) as e:
+            # onnxruntime's own load errors are RuntimeError subclasses
+            raise preflight.model_error(
+                e, str(self.config.bundle), option="--model", hint="export this task's bundle "
+                "with `seedfed ort-export --task SPEC.json --out DIR` and give DIR as "
+                "--model") from e
+        stored = self.config.state_dir / STATE_FILE
+        if self.meta.get("version") is not None and stored.is_file():
+            try:
+                device.load_snapshot(stored.read_bytes(), int(self.meta["version"]),
+                                     str(self.meta["checksum"]))
+            except (SeedfedError, SafetensorError, OSError) as e:
+                log.warning("stored state is unusable (%s); will download a snapshot", e)
+        self.device = device
 
     def sync(self, target: int | None = None) -> OrtSync:
         """Catch up to `target` (default: the task's current version), verified."""
@@ -156,13 +208,13 @@ class OrtHttpDevice:
 
     def examples(self) -> data_mod.Examples:
         if self._examples is None:
-            self._examples = load_device_examples(self.config.data)[0]
+            self._examples = load_device_examples(self.data)[0]
         return self._examples
 
     def train_and_upload(self, plan: RoundPlan) -> OrtRoundOutcome:
         """Catch up to the plan's version, run its steps, upload the scalars (binary form)."""
         sync = self.sync(plan.version)
-        trained = self.load_device().train(plan, self.examples(), self.config.data)
+        trained = self.load_device().train(plan, self.examples(), self.data)
         sent = self.api.upload(plan.task_id, plan.round, plan.version, trained.scalars,
                                trained.num_examples, trained.loss)
         self.meta["last_round"] = plan.round
@@ -171,8 +223,15 @@ class OrtHttpDevice:
                                trained.num_examples, sent)
 
     def run(self, rounds: int | None = None) -> list[OrtRoundOutcome]:
-        """Take part in `rounds` rounds (None: until stopped), polling for open rounds."""
+        """Take part in `rounds` rounds (None: until stopped), polling for open rounds. A
+        refusal of the device's token (revoked meanwhile) raises DeviceSetupError."""
+        self.prepare()
         self.enroll()
-        return poll_rounds(current_plan=lambda: self.api.current_plan(self.config.task_id),
-                           meta=self.meta, train=self.train_and_upload,
-                           poll_s=self.config.poll_s, rounds=rounds)
+        try:
+            return poll_rounds(current_plan=lambda: self.api.current_plan(self.config.task_id),
+                               meta=self.meta, train=self.train_and_upload,
+                               poll_s=self.config.poll_s, rounds=rounds)
+        except CoordinatorHttpError as e:
+            if e.status in (401, 403, 404):
+                raise preflight.refusal(e, join=False) from None
+            raise

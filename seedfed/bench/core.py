@@ -3,7 +3,8 @@
 Every memory figure comes from its own subprocess (`core_worker`) so one measurement's freed
 pages or allocator state cannot hide another's peak; the timing runs interleave their variants
 inside one process so background load on the shared CPUs hits them alike. The result is a flat
-JSON object (the keys issue 2 names plus ratios, target verdicts and raw samples) and a table.
+JSON object (memory peaks, times and throughputs, their ratios, target verdicts and raw
+samples) and a table.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .core_setup import shape_named
 MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 MEMORY_PARALLEL = 2
 
-#: Targets of issue 2: (result key, comparison, limit, what it means).
+#: Targets: (result key, comparison, limit, what it means).
 TARGETS: tuple[tuple[str, str, float, str], ...] = (
     ("zo_vs_inference_mem", "<=", 1.05, "ZO step peak memory / inference peak"),
     ("zo_step_vs_forward", "<=", 2.05, "ZO step time / one forward pass (issue 13)"),

@@ -27,7 +27,7 @@ MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 #: The work is repeated so an optimizer's lazily created state and a second step count too.
 STEPS = 2
 LR, EPS = 1e-6, 1e-3
-#: Seeds fused into one replay pass for `replay_fused_mparam_s` (issue 13).
+#: Seeds fused into one replay pass for `replay_fused_mparam_s`.
 FUSED_SEEDS = 16
 
 

@@ -31,7 +31,7 @@ MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
 LLAMA_CASE = "lora_r8"
 P_VALUES = (1, 2, 4, 8, 16, 32)
 QUICK_P = (1, 2, 4)
-#: (what, limit) of the issue's targets.
+#: The targets: (what, limit).
 TARGET_SPEED = 0.5  # batched P=8 / sequential ms per scalar, LoRA on MiniLM's top layer
 TARGET_MEMORY = 1.10  # batched step peak / inference peak
 

@@ -12,8 +12,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from .. import service
+from ..connections import trust
 from ..errors import AuthenticationError
 from ..runtime import Runtime
+from ..service import join_tokens
 from ..service.uploads import UploadWriter
 from .openapi import TaskIdPath
 
@@ -51,25 +53,28 @@ def _is_admin(rt: Runtime, creds: HTTPAuthorizationCredentials | None) -> bool:
                                                      rt.settings.token.encode())
 
 
-async def require_admin(rt: RuntimeDep, creds: Credentials) -> None:
+async def require_admin(request: Request, rt: RuntimeDep, creds: Credentials) -> None:
     if creds is None:
         raise AuthenticationError("missing Authorization: Bearer <admin token>")
     if not _is_admin(rt, creds):
         raise AuthenticationError("wrong admin token")
+    trust(request.scope)  # the connection no longer counts as anonymous
 
 
 AdminDep = Annotated[None, Depends(require_admin)]
 
 
-async def current_device(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials) -> str:
+async def current_device(request: Request, task_id: TaskIdPath, rt: RuntimeDep,
+                         creds: Credentials) -> str:
     """The device id of the bearer token, which must belong to the task in the path."""
     if creds is None:
         raise AuthenticationError("missing Authorization: Bearer <device token>")
     device_id, token_hash = await device_credential(task_id, rt, creds)
-    if device_id is not None:  # hot path: no thread hop, no query
-        return device_id
-    return await run_in_threadpool(service.authenticate_hash, rt, task_id=task_id,
-                                   token_hash=token_hash)
+    if device_id is None:  # not cached: one query (the cached one is the hot path)
+        device_id = await run_in_threadpool(service.authenticate_hash, rt, task_id=task_id,
+                                            token_hash=token_hash)
+    trust(request.scope)  # the connection no longer counts as anonymous
+    return device_id
 
 
 #: The device of the bearer token (a device of the task in the path; admin not accepted).
@@ -88,19 +93,37 @@ async def device_credential(task_id: TaskIdPath, rt: RuntimeDep,
 DeviceCredential = Annotated[tuple[str | None, str], Depends(device_credential)]
 
 
-async def reader(task_id: TaskIdPath, rt: RuntimeDep, creds: Credentials) -> str | None:
+async def reader(request: Request, task_id: TaskIdPath, rt: RuntimeDep,
+                 creds: Credentials) -> str | None:
     """Admin (returns None) or a device of the task (returns its id)."""
     if _is_admin(rt, creds):
+        trust(request.scope)
         return None
-    return await current_device(task_id, rt, creds)
+    return await current_device(request, task_id, rt, creds)
 
 
 ReaderDep = Annotated[str | None, Depends(reader)]
 
 
-async def stats_reader(rt: RuntimeDep, creds: Credentials) -> None:
+async def spec_reader(request: Request, task_id: TaskIdPath, rt: RuntimeDep,
+                      creds: Credentials) -> str | None:
+    """`reader`, or the holder of one of the task's join tokens (returns None): a device reads
+    the task definition, and so learns that its join token is good, before it enrolls."""
+    try:
+        return await reader(request, task_id, rt, creds)
+    except AuthenticationError:
+        if creds is None or not await run_in_threadpool(
+                join_tokens.accepts, rt, task_id=task_id, join_token=creds.credentials):
+            raise
+    return None
+
+
+SpecReaderDep = Annotated[str | None, Depends(spec_reader)]
+
+
+async def stats_reader(request: Request, rt: RuntimeDep, creds: Credentials) -> None:
     if not rt.settings.public_stats:
-        await require_admin(rt, creds)
+        await require_admin(request, rt, creds)
 
 
 StatsReaderDep = Annotated[None, Depends(stats_reader)]

@@ -11,6 +11,7 @@ function the route uses (`ingest`); the route stays for OpenAPI and as the fallb
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Mapping
 
@@ -21,10 +22,13 @@ from seedfed.shared.wire import MAX_ROUND, Upload
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import service
+from ..connections import trust
 from ..errors import MalformedRequestError, error_headers, error_payload, status_of
 from ..runtime import Runtime
 from ..schemas import UploadReceipt
 from ..service.uploads import UploadWriter
+
+logger = logging.getLogger("seedfed.server")
 
 BINARY_HEADERS = UPLOAD_HEADERS  # X-Seedfed-Version, -Num-Examples, -Loss
 # Only ids and round numbers inside their documented ranges take the fast path; anything else
@@ -94,6 +98,22 @@ async def ingest(rt: Runtime, writer: UploadWriter, *, task_id: str, round_numbe
     return receipt, pending.round_id if due else None
 
 
+def close_after_answer(rt: Runtime, *, task_id: str, round_id: int) -> None:
+    """Close a round an upload brought to quorum, after that upload's answer went out.
+
+    Nobody is waiting for this close: if it fails (the database went away, a file could not
+    be written), the log gets one line and the round stays for the ticker, which finds it
+    due and retries with backoff (`service.tick`). A traceback here would be noise in an
+    outage, printed once per upload."""
+    try:
+        service.close_if_due(rt, task_id=task_id, round_id=round_id)
+    except Exception as e:  # noqa: BLE001 (every failure is the ticker's to retry)
+        cause = str(e).strip().splitlines()
+        logger.warning("closing round %d of task %s after an upload failed (%s: %s); the "
+                       "ticker retries it", round_id, task_id, type(e).__name__,
+                       cause[0][:200] if cause else "")
+
+
 class _Headers(dict[str, str]):
     """Lower-cased header names, looked up case-insensitively."""
 
@@ -126,9 +146,12 @@ class UploadFastPath:
                            for k, v in scope["headers"])
         task_id, round_number = m.group(1), int(m.group(2))
         due: int | None = None
+        read = False  # whether the whole body was read
         try:
             device = service.bearer_device(rt, task_id=task_id,
                                            authorization=headers.get("authorization"))
+            if device[0] is not None:  # a cached token: authenticated already
+                trust(scope)
             chunks = []
             while True:
                 msg = await receive()
@@ -137,19 +160,21 @@ class UploadFastPath:
                 chunks.append(msg.get("body", b""))
                 if not msg.get("more_body", False):
                     break
+            read = True
             receipt, due = await ingest(rt, writer, task_id=task_id, round_number=round_number,
                                         device=device, headers=headers, body=b"".join(chunks))
+            trust(scope)  # the upload's token was accepted
             code, payload = 200, receipt.model_dump_json().encode()
         except SeedfedError as e:
             code = status_of(e)
-            if code == 413:
-                raise  # BodyLimit answers
             payload = error_payload(str(e), type(e).__name__)
         # The same headers as the app's handler (401: WWW-Authenticate, 503: Retry-After).
         extra = [(k.lower().encode(), v.encode()) for k, v in error_headers(code).items()]
+        if not read:  # answered before the body (a bad token): do not read the rest of it
+            extra.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": code,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()), *extra]})
         await send({"type": "http.response.body", "body": payload})
         if due is not None:  # like a background task: after the answer went out
-            await run_in_threadpool(service.close_if_due, rt, task_id=task_id, round_id=due)
+            await run_in_threadpool(close_after_answer, rt, task_id=task_id, round_id=due)

@@ -2,6 +2,7 @@
 facade (`seedfed.server.coordinator.Coordinator`) both call."""
 
 from . import devices
+from .abandon import abandon_round
 from .devices import (
     authenticate_device,
     authenticate_hash,
@@ -22,6 +23,7 @@ from .log import (
     task_stats,
 )
 from .metrics import device_metrics, record_device_metrics
+from .opening import open_round, set_schedule
 from .rounds import (
     cached_plan,
     close_if_due,
@@ -29,7 +31,6 @@ from .rounds import (
     current_plan,
     is_due,
     open_plan,
-    open_round,
     recover,
     tick,
 )
@@ -46,12 +47,13 @@ from .uploads import (
 )
 
 __all__ = [
-    "UploadWriter", "authenticate_device", "authenticate_hash", "bearer_device", "cached_plan",
-    "catchup_plan", "check_upload", "close_if_due", "close_round", "count_rejected",
-    "create_task", "current_plan", "device_metrics", "devices", "enroll_device", "is_due",
-    "list_tasks", "load_master", "log_since", "metrics_text", "open_plan", "open_round",
-    "open_snapshot", "parse_binary_upload", "parse_json_upload", "prune_versions", "readiness",
-    "record_device_metrics", "recover", "revoke_device", "round_metrics", "serve_log",
-    "serve_snapshot", "snapshot_bytes", "snapshot_info", "submit_upload", "submit_uploads",
-    "task_spec", "task_stats", "task_status", "tick", "write_uploads",
+    "UploadWriter", "abandon_round", "authenticate_device", "authenticate_hash",
+    "bearer_device", "cached_plan", "catchup_plan", "check_upload", "close_if_due",
+    "close_round", "count_rejected", "create_task", "current_plan", "device_metrics",
+    "devices", "enroll_device", "is_due", "list_tasks", "load_master", "log_since",
+    "metrics_text", "open_plan", "open_round", "open_snapshot", "parse_binary_upload",
+    "parse_json_upload", "prune_versions", "readiness", "record_device_metrics", "recover",
+    "revoke_device", "round_metrics", "serve_log", "serve_snapshot", "set_schedule",
+    "snapshot_bytes", "snapshot_info", "submit_upload", "submit_uploads", "task_spec",
+    "task_stats", "task_status", "tick", "write_uploads",
 ]

@@ -64,9 +64,10 @@ def limit_of(rt: Runtime, row: JoinTokenRow) -> int:
     return effective_limit(rt, row.max_devices)
 
 
-def claim_enrolment(rt: Runtime, s: Session, *, task_id: str, join_token: str) -> str:
-    """Check `join_token` for the task and count one enrolment against its limit, atomically
-    (a conditional UPDATE, so concurrent enrolments cannot pass the limit). Its id."""
+def valid_join_token(s: Session, *, task_id: str, join_token: str) -> JoinTokenRow:
+    """The row of `join_token` if it is a join token of the task that is not revoked; else
+    AuthenticationError. Reads only: a device checks its token (and reads the task) before it
+    enrolls."""
     row = s.scalars(select(JoinTokenRow).where(
         JoinTokenRow.token_hash == hash_token(join_token))).first()
     # The lookup is by the hash of a 192-bit random token: its timing reveals nothing usable.
@@ -74,6 +75,23 @@ def claim_enrolment(rt: Runtime, s: Session, *, task_id: str, join_token: str) -
         raise AuthenticationError(f"wrong join token for task {task_id!r}")
     if row.revoked_at is not None:
         raise AuthenticationError(f"this join token of task {task_id!r} has been revoked")
+    return row
+
+
+def accepts(rt: Runtime, *, task_id: str, join_token: str) -> bool:
+    """Whether `join_token` would enroll a device of the task now (not counting its limit)."""
+    with rt.transaction() as s:
+        try:
+            valid_join_token(s, task_id=task_id, join_token=join_token)
+        except AuthenticationError:
+            return False
+    return True
+
+
+def claim_enrolment(rt: Runtime, s: Session, *, task_id: str, join_token: str) -> str:
+    """Check `join_token` for the task and count one enrolment against its limit, atomically
+    (a conditional UPDATE, so concurrent enrolments cannot pass the limit). Its id."""
+    row = valid_join_token(s, task_id=task_id, join_token=join_token)
     cap = limit_of(rt, row)
     moved = s.execute(update(JoinTokenRow).where(
         JoinTokenRow.id == row.id, JoinTokenRow.enrolled < cap).values(

@@ -10,7 +10,13 @@ from seedfed.shared.wire import LogEntryWire
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..errors import InvalidUploadError, NotFoundError, StoreError
+from ..errors import (
+    FormatNotPublishedError,
+    InvalidQueryError,
+    NotFoundError,
+    StoreError,
+    VersionAheadError,
+)
 from ..orm import DeviceRow, RoundRow, UploadRow, VersionRow
 from ..runtime import Runtime
 from ..schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
@@ -31,13 +37,24 @@ DEFAULT_BANDWIDTH = 2e6  # bytes/s
 DEFAULT_REGEN_RATE = 1e8  # perturbation elements regenerated and added per second
 
 
+def check_known_version(task_id: str, name: str, version: int, current: int) -> None:
+    """A device's version (`from`, `since`) must be one the task has had: a negative one is
+    invalid (422), one beyond the current version a conflict with the task's state (409: the
+    device holds a state the coordinator never made, e.g. after a restore from an older
+    backup; it must load the current snapshot)."""
+    if version < 0:
+        raise InvalidQueryError(f"{name}={version} is not a version (0..{current})")
+    if version > current:
+        raise VersionAheadError(f"{name}={version} is beyond task {task_id!r}'s current version "
+                                f"{current}: this device's state is not one of the task's "
+                                f"versions; download snapshot {current} and start from it")
+
+
 def log_since(session: Session, *, task_id: str, since: int,
               limit: int | None = None) -> list[LogEntryWire]:
     """Entries after version `since` (from `since` to `since + 1` onwards), in version order."""
     task = get_task(session, task_id=task_id)
-    if since < 0 or since > task.current_version:
-        raise InvalidUploadError(f"since={since} is outside the task's versions "
-                                 f"0..{task.current_version}")
+    check_known_version(task_id, "since", since, task.current_version)
     q = (select(VersionRow).where(VersionRow.task_id == task_id, VersionRow.version > since)
          .order_by(VersionRow.version))
     if limit is not None:
@@ -56,8 +73,9 @@ def snapshot_info(session: Session, *, task_id: str, version: int,
     if fmt is None or fmt == "fp32":
         return row.master_path, row.master_sha256, row.checksum, row.master_bytes, "fp32"
     if fmt != task.format:
-        raise InvalidUploadError(f"task {task_id!r} publishes fp32 and {task.format}, "
-                                 f"not {fmt!r}")
+        raise FormatNotPublishedError(f"task {task_id!r} publishes its snapshots as fp32 and "
+                                      f"{task.format}, not {fmt!r}: ask for ?format="
+                                      f"{task.format}, or leave format out for fp32")
     return row.snapshot_path, row.snapshot_sha256, row.checksum, row.snapshot_bytes, task.format
 
 
@@ -141,12 +159,11 @@ def catchup_plan(session: Session, *, task_id: str, from_version: int,
     reach the target's state. A download is always of the current version, whose files are
     never pruned (`keep_versions`), and the log it replays is never pruned either."""
     if bandwidth <= 0 or regen_rate <= 0:
-        raise InvalidUploadError(f"bandwidth ({bandwidth}) and regen_rate ({regen_rate}) must "
-                                 "be positive")
+        raise InvalidQueryError(f"bandwidth ({bandwidth}) and regen_rate ({regen_rate}) must "
+                                "be positive")
     task = get_task(session, task_id=task_id)
     to = task.current_version
-    if from_version < 0 or from_version > to:
-        raise InvalidUploadError(f"from={from_version} is outside the task's versions 0..{to}")
+    check_known_version(task_id, "from", from_version, to)
     latest = get_version(session, task_id=task_id, version=to)
     if from_version == to:
         return CatchupPlan(task_id=task_id, from_version=from_version, to_version=to,
@@ -199,12 +216,13 @@ def round_metrics(session: Session, *, task_id: str) -> list[RoundMetrics]:
             participants=participants, loss=r.loss, upload_bytes=upload_bytes,
             download_bytes=participants * (len(r.plan_json) + entry_bytes),
             fedavg_bytes=participants * fedavg_each, opened_at=r.opened_at,
-            closed_at=r.closed_at, aggregation_seconds=r.aggregation_s),
+            closed_at=r.closed_at, aggregation_seconds=r.aggregation_s,
+            abandon_reason=r.abandon_reason),
             reported.get(r.number, ())))
     return out
 
 
-# --- added for the dashboard (issue 3 item 6): the devices behind the counts ------------------
+# --- for the dashboard: the devices behind the counts ----------------------------------------
 
 #: Most devices listed in the stats; a fleet of thousands keeps the payload small.
 DEVICE_LIST_LIMIT = 200

@@ -1,4 +1,5 @@
-"""The round lifecycle: open -> aggregating -> closed (or expired), and crash recovery.
+"""The round lifecycle: open -> aggregating -> closed (or expired, or abandoned), and crash
+recovery. Opening a round is `opening`'s; abandoning one by hand `abandon`'s.
 
 Closing is two units of work around the file writes: (1) mark the round `aggregating`
 (uploads stop), (2) after the new master and snapshot files are on disk, insert the version
@@ -7,6 +8,11 @@ crash before (2) leaves the round `aggregating`; `recover` recomputes the same e
 noise and uploads all come from stored rows) and finishes it. After (2), the files of the
 version `keep_versions` behind are deleted (`prune_versions`); a crash before that leaves them
 for the next prune, which lists the task's store directories.
+
+A close that fails is recorded (`Runtime.close_failures`): retried by the ticker with backoff,
+or, when it would fail the same way on every attempt (`errors.fails_every_time`: a
+non-finite update), left for an operator to abandon (`abandon.abandon_round`); each start's
+`recover` tries it once more.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import time
 from datetime import timedelta
 
 import numpy as np
-from seedfed.shared.quant.scales_scope import plan_clip
 from seedfed.shared.replay import LogEntry, checksum
 from seedfed.shared.scopes import Scope
 from seedfed.shared.wire import (
@@ -31,11 +36,19 @@ from seedfed.shared.wire import (
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from ..aggregation import apply_entry, combine, draw_seeds
+from ..aggregation import apply_entry, combine
 from ..caches import at_quorum
-from ..errors import ConflictError, EmptyRoundError, NotFoundError, RoundClosedError
+from ..errors import (
+    ConflictError,
+    EmptyRoundError,
+    NotFoundError,
+    RoundClosedError,
+    fails_every_time,
+)
 from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
 from ..runtime import CloseFailure, Runtime
+from .opening import abandon_stale, locked_task, open_idle, open_scheduled
+from .opening import open_round as open_round  # re-exported: opening rounds lives there
 from .tasks import (
     get_task,
     load_master,
@@ -60,11 +73,6 @@ def wire_of(row: VersionRow, task_id: str, mask_epoch: int | None = None) -> Log
     return LogEntryWire.from_entry(entry_of(row, task_id), mask_epoch=mask_epoch)
 
 
-def _latest_round(session: Session, task_id: str) -> RoundRow | None:
-    return session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
-                           .order_by(RoundRow.number.desc()).limit(1)).first()
-
-
 def get_round(session: Session, *, task_id: str, number: int) -> RoundRow:
     row = session.scalars(select(RoundRow).where(RoundRow.task_id == task_id,
                                                  RoundRow.number == number)).first()
@@ -72,84 +80,6 @@ def get_round(session: Session, *, task_id: str, number: int) -> RoundRow:
         get_task(session, task_id=task_id)
         raise NotFoundError(f"task {task_id!r} has no round {number}")
     return row
-
-
-def _locked_task(s: Session, task_id: str) -> TaskRow:
-    """The task row as committed now (never the session's cached copy), locked against a
-    concurrent version move on PostgreSQL (FOR NO KEY UPDATE: a close's commit waits for this
-    unit of work; enrolment's foreign-key locks do not)."""
-    task = s.scalars(select(TaskRow).where(TaskRow.id == task_id)
-                     .with_for_update(key_share=True)
-                     .execution_options(populate_existing=True)).first()
-    if task is None:
-        raise NotFoundError(f"task {task_id!r} does not exist")
-    return task
-
-
-def _abandon(s: Session, row: RoundRow, current: int) -> None:
-    """Close a round planned at a base version the task has moved past (`current`): it can
-    never commit (its uploads were computed at that base), so it ends without a new version
-    and its uploads are refused from now on (the round is no longer open)."""
-    n = s.scalar(select(func.count()).select_from(UploadRow)
-                 .where(UploadRow.round_id == row.id)) or 0
-    logger.error("round %s of task %s was planned at v%s but the task is at v%s: abandoned "
-                 "without a new version (%d upload(s) not aggregated)", row.number, row.task_id,
-                 row.base_version, current, n)
-    row.state, row.closed_at, row.participants = RoundState.ABANDONED, utcnow(), 0
-
-
-def open_round(rt: Runtime, *, task_id: str) -> RoundPlan:
-    """Open the task's next round at its committed version, or return the open one.
-
-    The latest round is read before the task row. A close moves the task's version and closes
-    its round in one commit, and each statement sees every commit before it (PostgreSQL's
-    READ COMMITTED; SQLite, where pysqlite begins no transaction before the first write), so a
-    round seen closed here has its version visible to the task read after it. (Reading the
-    task first let a close commit in between: round n + 1 opened at v(n - 1), which could
-    never commit and stayed `aggregating` for good.) The base is checked again after the
-    insert, inside the same unit of work; an open round planned at a stale base (from an
-    older coordinator) is abandoned and the next one planned at the committed version."""
-    abandoned: int | None = None
-    with rt.state_lock, rt.transaction() as s:
-        last = _latest_round(s, task_id)
-        task = _locked_task(s, task_id)
-        if last is not None and last.state == RoundState.OPEN:
-            if last.base_version == task.current_version:
-                return RoundPlan.model_validate_json(last.plan_json)
-            _abandon(s, last, task.current_version)
-            abandoned = last.id
-        if last is not None and last.state == RoundState.AGGREGATING:
-            raise ConflictError(f"round {last.number} of task {task_id!r} is still aggregating")
-        spec = spec_of(task)
-        h = spec.hyper
-        number = 1 if last is None else last.number + 1
-        r = spec.round_hyper(number, task.current_version)  # a head epoch's own lr, shape
-        now = utcnow()
-        plan = RoundPlan(task_id=task_id, round=number, version=task.current_version,
-                         seeds=draw_seeds(task.secret, number, r.steps, r.perturbations),
-                         lr=r.lr, eps=h.eps, batch_size=h.batch_size,
-                         clip=plan_clip(spec.scope, h.clip),  # QZO's DDC: C=100 for scales
-                         one_sided=h.one_sided, scope=spec.scope,
-                         deadline=now + timedelta(seconds=task.round_timeout_s),
-                         quorum=task.quorum,
-                         mask_epoch=mask_epoch_of(spec, task.current_version))
-        row = RoundRow(task_id=task_id, number=number, base_version=task.current_version,
-                       state=RoundState.OPEN, plan_json=plan.model_dump_json(),
-                       quorum=task.quorum, deadline=plan.deadline, opened_at=now,
-                       participants=0, upload_bytes=0)
-        s.add(row)
-        s.flush()
-        # After the insert this unit of work holds SQLite's write lock (PostgreSQL: the task
-        # row's), so no commit can come between this read and ours.
-        committed = s.scalar(select(TaskRow.current_version).where(TaskRow.id == task_id))
-        if committed != plan.version:
-            raise ConflictError(f"task {task_id!r} moved to v{committed} while round {number} "
-                                f"was being planned at v{plan.version}; retry")
-        rt.rounds.opened(task_id, row.id, plan, round_cap_of(task))
-    if abandoned is not None:
-        rt.rounds.finished(abandoned)
-    rt.metrics.rounds_opened.inc()
-    return plan
 
 
 def open_plan(rt: Runtime, *, task_id: str) -> tuple[int, RoundPlan] | None:
@@ -265,11 +195,11 @@ def _abandon_stale(rt: Runtime, task_id: str, round_id: int) -> None:
     stuck). Raises the ConflictError that tells its closer (nothing left to retry)."""
     with rt.state_lock, rt.transaction() as s:
         r = s.get(RoundRow, round_id)
-        task = _locked_task(s, task_id)
+        task = locked_task(s, task_id)
         assert r is not None
         number, base, current = r.number, r.base_version, task.current_version
         if r.state == RoundState.AGGREGATING and base != current:
-            _abandon(s, r, current)
+            abandon_stale(s, r, current)
     rt.rounds.finished(round_id, keep_cap=True)
     raise RoundClosedError(f"round {number} of task {task_id!r} was planned at v{base} but the "
                            f"task is at v{current}: abandoned without a new version (its "
@@ -278,11 +208,13 @@ def _abandon_stale(rt: Runtime, task_id: str, round_id: int) -> None:
 
 
 def _record_failure(rt: Runtime, task_id: str, round_id: int, exc: BaseException) -> None:
-    """Note a failed close for the ticker's retry (exponential backoff) and the status pages."""
+    """Note a failed close for the status pages and, unless it would fail the same way again
+    (`errors.fails_every_time`), for the ticker's retry with exponential backoff."""
     prev = rt.close_failures.get(task_id)
     attempts = 1 if prev is None or prev.round_id != round_id else prev.attempts + 1
     st = rt.settings
     delay = min(st.close_retry_base_s * 2.0 ** (attempts - 1), st.close_retry_max_s)
+    permanent = fails_every_time(exc)
     now = utcnow()
     number = None if prev is None else prev.round
     try:
@@ -294,9 +226,15 @@ def _record_failure(rt: Runtime, task_id: str, round_id: int, exc: BaseException
     rt.close_failures.record(task_id, CloseFailure(
         round_id=round_id, round=number, attempts=attempts,
         error=f"{type(exc).__name__}: {exc}"[:500], failed_at=now,
-        retry_at=now + timedelta(seconds=delay)))
-    logger.error("close of round %s of task %s failed (attempt %d, retry in %.0f s): %s",
-                 number, task_id, attempts, delay, exc, exc_info=exc)
+        retry_at=None if permanent else now + timedelta(seconds=delay), permanent=permanent))
+    if permanent:
+        logger.error("close of round %s of task %s fails on every attempt and is not retried "
+                     "(%s: %s); abandon the round (seedfed round abandon %s %s --reason ...) "
+                     "for the task to go on from its committed version", number, task_id,
+                     type(exc).__name__, exc, task_id, number, exc_info=exc)
+    else:
+        logger.error("close of round %s of task %s failed (attempt %d, retry in %.0f s): %s",
+                     number, task_id, attempts, delay, exc, exc_info=exc)
 
 
 def _finish(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
@@ -379,7 +317,12 @@ def _finish_once(rt: Runtime, task_id: str, round_id: int) -> LogEntryWire:
                         snapshot_sha256=snap.sha256, snapshot_bytes=snap.nbytes,
                         noise_std=combined.noise_std))
                     r = s.get(RoundRow, round_id)
-                    assert r is not None
+                    if r is None or r.state != RoundState.AGGREGATING:
+                        # Abandoned by an operator while this close ran (the version move
+                        # above is rolled back with this unit of work; the files written for
+                        # v{base + 1} are overwritten by the next close that reaches it).
+                        raise ConflictError(f"round {number} of task {task_id!r} was "
+                                            "abandoned during its close")
                     r.state = RoundState.CLOSED
                     r.closed_at = utcnow()
                     r.participants = len(uploads)
@@ -415,13 +358,20 @@ def is_due(rt: Runtime, *, task_id: str, round_id: int) -> bool:
 
 
 def close_if_due(rt: Runtime, *, task_id: str, round_id: int) -> LogEntryWire | None:
-    """Close round `round_id` if it is still open and reached its quorum (upload path)."""
+    """Close round `round_id` if it is still open and reached its quorum (upload path), then
+    open the task's next round if its automatic schedule runs it."""
     if not is_due(rt, task_id=task_id, round_id=round_id):
         return None
     try:
-        return close_round(rt, task_id=task_id, round_id=round_id)
+        entry = close_round(rt, task_id=task_id, round_id=round_id)
     except ConflictError:
         return None  # closed concurrently
+    try:
+        open_scheduled(rt, task_id=task_id)
+    except Exception as e:  # the ticker opens it at its next tick: the close stands
+        logger.warning("task %s: the next round did not open after round %s closed (%s: %s); "
+                       "the ticker retries", task_id, round_id, type(e).__name__, e)
+    return entry
 
 
 def expire_round(rt: Runtime, *, task_id: str, round_id: int) -> bool:
@@ -458,21 +408,6 @@ def due_rounds(rt: Runtime) -> list[tuple[str, int, bool]]:
     return out
 
 
-def open_idle(rt: Runtime) -> list[RoundPlan]:
-    """Open a round in every task that has none open or aggregating (auto-open schedule)."""
-    with rt.transaction() as s:
-        busy = select(RoundRow.task_id).where(
-            RoundRow.state.in_([RoundState.OPEN, RoundState.AGGREGATING]))
-        idle = list(s.scalars(select(TaskRow.id).where(TaskRow.id.not_in(busy))))
-    plans = []
-    for task_id in idle:
-        try:
-            plans.append(open_round(rt, task_id=task_id))
-        except ConflictError:
-            continue
-    return plans
-
-
 def retry_failed_closes(rt: Runtime) -> list[LogEntryWire]:
     """Retry every failed close whose backoff has passed (the ticker calls this); one task's
     failure does not keep the others from closing."""
@@ -501,7 +436,8 @@ def _orphaned(rt: Runtime) -> list[tuple[str, int]]:
 def tick(rt: Runtime, *, auto_open: bool = False) -> list[LogEntryWire]:
     """Close every round that reached its quorum or deadline; expire empty ones at deadline;
     retry failed closes whose backoff passed; with `auto_open`, then open the next round of
-    every idle task. A failing task is recorded and skipped, never blocking the others."""
+    every task the automatic schedule runs (`opening.open_idle`). A failing task is recorded
+    and skipped, never blocking the others."""
     closed = retry_failed_closes(rt)
     for task_id, rid, has_uploads in due_rounds(rt):
         if not has_uploads:

@@ -28,19 +28,29 @@ from sqlalchemy.orm import Session
 from .. import privacy
 from ..errors import InvalidTaskError, NotFoundError, StoreError
 from ..formats import publisher
-from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow
+from ..orm import (
+    DeviceRow,
+    RoundRow,
+    RoundState,
+    Schedule,
+    TaskRow,
+    UploadRow,
+    VersionRow,
+    utcnow,
+)
 from ..runtime import Master, Runtime
 from ..schemas import TaskStatus
 from ..store import StoredFile
 from .join_tokens import new_join_token
 from .lookups import get_task, hash_token
+from .waiting import TaskMoment, waiting_of
 
 #: The form of a task secret (`secrets.token_hex(16)`; `aggregation.round_rng` reads it).
 _SECRET = re.compile(r"[0-9a-f]{32}")
 
 
 def spec_of(task: TaskRow) -> TaskSpec:
-    return TaskSpec.from_dict(json.loads(task.spec_json))
+    return TaskSpec.from_dict(json.loads(task.spec_json), stored=True)  # ranges: at creation
 
 
 def round_cap_of(task: TaskRow) -> int | None:
@@ -127,10 +137,12 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                 quorum: int = 1, round_timeout_s: float = 600.0,
                 devices_per_round: int | None = None,
                 max_devices_per_token: int | None = None,
+                schedule: str = Schedule.AUTO, max_rounds: int | None = None,
                 secret: str | None = None) -> tuple[str, str, int, str]:
     """Build version 0 of the task's trainable state, store it, and commit the task with
     its first join token (enrolling at most `max_devices_per_token` devices; None: the
-    Settings default).
+    Settings default). `schedule`: who opens its rounds (`orm.Schedule`; `auto` runs them
+    back to back until version `max_rounds`, None: no limit).
 
     `secret` (32 lowercase hex digits) is for simulations and tests only: every round's
     seeds and DP noise derive from it, so a fixed one makes a run repeatable. A real task
@@ -153,6 +165,10 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                                f"({quorum}): no round could reach its quorum")
     if secret is not None and not _SECRET.fullmatch(secret):
         raise InvalidTaskError("a task secret is 32 lowercase hex digits")
+    if schedule not in (Schedule.AUTO, Schedule.MANUAL) or (max_rounds is not None
+                                                           and max_rounds < 1):
+        raise InvalidTaskError(f"schedule must be {Schedule.AUTO!r} or {Schedule.MANUAL!r} "
+                               f"(got {schedule!r}) and max_rounds >= 1 (got {max_rounds})")
     check_plan_fits(spec, rt.settings.max_body_bytes)
     publisher(spec.format)  # unknown or not yet available formats fail before any work
     try:
@@ -176,7 +192,8 @@ def create_task(rt: Runtime, *, spec: TaskSpec | dict[str, Any], name: str | Non
                       format=spec.format, quorum=quorum, round_timeout_s=round_timeout_s,
                       devices_per_round=devices_per_round, join_token_hash="",
                       secret=secret or secrets.token_hex(16), current_version=0,
-                      scope_numel=bundle.scope.numel)
+                      scope_numel=bundle.scope.numel, schedule=schedule,
+                      max_rounds=max_rounds)
         s.add(row)
         s.flush()
         _, join_token = new_join_token(s, task_id=task_id, max_devices=max_devices_per_token)
@@ -240,24 +257,38 @@ def task_spec(session: Session, *, task_id: str) -> TaskSpec:
 
 
 def task_status(rt: Runtime, session: Session, *, task_id: str) -> TaskStatus:
-    """The task's status, with its failing round close if any (`Runtime.close_failures`) and
-    its privacy spent at the coordinator's `dp_delta`."""
+    """The task's status: its round, what it waits for (`waiting.waiting_of`), its failing
+    round close if any (`Runtime.close_failures`), its latest abandoned round, and its privacy
+    spent at the coordinator's `dp_delta`."""
     failure = rt.close_failures.get(task_id)
     delta = rt.settings.dp_delta
     task = get_task(session, task_id=task_id)
     spec = spec_of(task)
     version = get_version(session, task_id=task_id, version=task.current_version)
-    last = session.scalars(select(RoundRow).where(RoundRow.task_id == task_id)
-                           .order_by(RoundRow.number.desc()).limit(1)).first()
+    rounds = select(RoundRow).where(RoundRow.task_id == task_id).order_by(RoundRow.number.desc())
+    last = session.scalars(rounds.limit(1)).first()
+    abandoned = session.scalars(rounds.where(RoundRow.state == RoundState.ABANDONED)
+                                .limit(1)).first()
     state = "idle"
     if last is not None and last.state in (RoundState.OPEN, RoundState.AGGREGATING):
         state = last.state
+    open_row = last if last is not None and state == RoundState.OPEN else None
+    uploads = 0 if open_row is None else session.scalar(
+        select(func.count()).select_from(UploadRow).where(UploadRow.round_id == open_row.id)) or 0
     devices = session.scalar(select(func.count()).select_from(DeviceRow).where(
         DeviceRow.task_id == task_id, DeviceRow.revoked_at.is_(None))) or 0
+    moment = TaskMoment(
+        task_id=task_id, state=state, round=None if last is None else last.number,
+        uploads=uploads, quorum=task.quorum,
+        deadline=None if open_row is None else open_row.deadline,
+        devices=devices, version=task.current_version, schedule=task.schedule,
+        max_rounds=task.max_rounds, schedule_on=rt.settings.auto_open_rounds,
+        failure=failure, now=utcnow())
+    waiting_for, waiting = waiting_of(moment)
     eps = dp_epsilon(session, task=task, delta=delta)
     return TaskStatus(
         task_id=task.id, name=task.name, version=task.current_version, checksum=version.checksum,
-        round=None if last is None else last.number, state=state,
+        round=moment.round, state=state,
         devices=devices, devices_seen=devices_seen(session, task_id=task_id),
         quorum=task.quorum, round_timeout_s=task.round_timeout_s,
         devices_per_round=task.devices_per_round, scope=spec.scope, scope_numel=task.scope_numel,
@@ -265,4 +296,9 @@ def task_status(rt: Runtime, session: Session, *, task_id: str) -> TaskStatus:
         delta=None if eps is None else delta, created_at=task.created_at,
         close_error=None if failure is None else failure.error,
         close_attempts=0 if failure is None else failure.attempts,
-        close_retry_at=None if failure is None else failure.retry_at)
+        close_retry_at=None if failure is None else failure.retry_at,
+        close_permanent=failure is not None and failure.permanent,
+        schedule=task.schedule, max_rounds=task.max_rounds,
+        uploads=uploads, deadline=moment.deadline, waiting_for=waiting_for, waiting=waiting,
+        abandoned_round=None if abandoned is None else abandoned.number,
+        abandon_reason=None if abandoned is None else abandoned.abandon_reason)

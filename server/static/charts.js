@@ -212,8 +212,11 @@
     if (opts.log) {
       ticks = logTicks(Math.min.apply(null, positive), Math.max.apply(null, positive));
     } else {
-      const ref = opts.refLine && isFinite(opts.refLine.value) ? [opts.refLine.value] : [];
-      ticks = linearTicks(0, Math.max.apply(null, all.concat(ref)), 5, opts.integer);
+      // A reference line (the quorum) always gets headroom above it: drawn on the axis' top
+      // it would lie along the top of every bar that reaches it, and vanish.
+      const ref = opts.refLine && isFinite(opts.refLine.value) ? opts.refLine.value : null;
+      const top = ref === null ? 0 : (opts.integer ? ref + 1 : ref * 1.15);
+      ticks = linearTicks(0, Math.max.apply(null, all.concat([top])), 5, opts.integer);
     }
     const domain = [ticks[0], ticks[ticks.length - 1]];
     const y = yScale(domain, plot, opts.log);
@@ -236,12 +239,17 @@
       });
     });
     if (opts.refLine && isFinite(opts.refLine.value)) {
+      // Drawn over the bars, with its name and value written at its right end, so it shows
+      // whether the bars stop below, at or above it.
       const ry = y(opts.refLine.value);
+      const g = el("g", { class: "ref " + (opts.refLine.cls || "") }, svg);
       const line = el("line", {
         class: "ref-line " + (opts.refLine.cls || ""), x1: plot.x, x2: plot.x + plot.w, y1: ry,
         y2: ry, "data-value": opts.refLine.value,
-      }, svg);
+      }, g);
       tooltip(line, opts.refLine.name + ": " + fmt(opts.refLine.value));
+      text(g, plot.x + plot.w - 4, ry - 4, opts.refLine.name + " " + fmt(opts.refLine.value),
+        { "text-anchor": "end", class: "ref-label" });
     }
     drawXAxis(svg, plot, categories, bands, opts.xTitle);
     const legend = series.map((s) => ({ name: s.name, cls: s.cls }));

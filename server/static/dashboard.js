@@ -93,7 +93,23 @@
       closeError: first(t, ["close_error"]),
       closeAttempts: first(t, ["close_attempts"], 0),
       closeRetryAt: first(t, ["close_retry_at"]),
+      closePermanent: first(t, ["close_permanent"], false),
+      // Who opens rounds, and what the task waits for (a keyword and the coordinator's words).
+      schedule: first(t, ["schedule"]),
+      maxRounds: first(t, ["max_rounds"]),
+      waitingFor: first(t, ["waiting_for"]),
+      waiting: first(t, ["waiting"]),
+      uploads: first(t, ["uploads"], 0),
+      abandonedRound: first(t, ["abandoned_round"]),
+      abandonReason: first(t, ["abandon_reason"]),
     };
+  }
+
+  // The tasks table's short form of what a task waits for.
+  function waitingShort(t) {
+    if (!t.waitingFor) return "–";
+    if (t.waitingFor === "uploads") return "uploads " + t.uploads + "/" + t.quorum;
+    return t.waitingFor.replace("_", " ");
   }
 
   // RoundMetrics (TaskStats.rounds): `version` is the version the round produced (null while
@@ -114,6 +130,7 @@
       aggregationSeconds: first(r, ["aggregation_seconds"]),
       opened: first(r, ["opened_at"]),
       closed: first(r, ["closed_at"]),
+      abandonReason: first(r, ["abandon_reason"]),
       // The devices' held-out accuracies reported for the round (DeviceMetrics): fleet mean
       // and worst decile, shared model over every reporting device, personalized over those
       // with a personal part.
@@ -194,6 +211,8 @@
       cell(tr, t.version, t.version);
       cell(tr, t.round === null ? "–" : t.round + (t.roundState ? " (" + t.roundState + ")" : "") +
         (t.closeError ? " · close failing" : ""), t.round, t.closeError ? "close-failing" : null);
+      cell(tr, waitingShort(t), t.waitingFor,
+        "waiting-for " + (t.waitingFor === "operator" ? "operator" : "")).title = t.waiting || "";
       cell(tr, t.devices, t.devices);
       cell(tr, t.devicesSeen, t.devicesSeen);
       tr.tabIndex = 0; // rows are the task picker: reachable and usable from the keyboard
@@ -226,11 +245,14 @@
     setField("checksum", checksum || "–", checksum);
     $('[data-field="checksum"]').title = checksum || "";
     setField("round", current ? String(current.round) : "–", current ? current.round : null);
-    // A failing close (retried with backoff by the coordinator) is named, with its error.
-    setField("round-state", t.closeError
-      ? "close failing (attempt " + t.closeAttempts + ", retry " + (t.closeRetryAt || "soon") +
-        "): " + t.closeError
-      : (current ? current.state : "no round yet"));
+    // A failing close is named with its error: retried with backoff by the coordinator, or,
+    // when it fails on every attempt, left for an operator to abandon the round.
+    setField("round-state", !t.closeError ? (current ? current.state : "no round yet")
+      : t.closePermanent
+        ? "close fails on every attempt (not retried; abandon the round): " + t.closeError
+        : "close failing (attempt " + t.closeAttempts + ", retry " + (t.closeRetryAt || "soon") +
+          "): " + t.closeError);
+    renderWaiting(t);
     const seen = first(stats, ["devices_seen"], t.devicesSeen);
     const enrolled = first(stats, ["devices_enrolled"], t.devices);
     const revoked = first(stats, ["devices_revoked"], 0);
@@ -244,6 +266,8 @@
         " trainable values)" : "")],
       ["format", t.format], ["aggregation", t.aggregation],
       ["quorum", t.quorum], ["round timeout", t.roundTimeout],
+      ["rounds", t.schedule === null ? null : t.schedule === "manual" ? "opened by hand"
+        : "automatic" + (t.maxRounds !== null ? " until v" + t.maxRounds : "")],
       ["DP", eps !== null ? "ε = " + C.formatNumber(eps, 3) +
         (t.delta !== null ? ", δ = " + t.delta : "") : "off"],
     ];
@@ -257,18 +281,44 @@
       dl.appendChild(span);
     }
     state.quorum = t.quorum;
-    const up = sum(rounds.map((r) => r.upload));
-    const fed = sum(rounds.map((r) => r.fedavg));
-    setField("upload-bytes", C.formatBytes(up), up);
-    setField("fedavg-bytes", C.formatBytes(fed), fed);
-    setField("saving", up > 0 && fed > 0 ? C.formatRatio(fed / up) + "× more than uploaded" : "",
-      up > 0 && fed > 0 ? fed / up : null);
+    renderBytes(rounds);
 
     renderCharts(rounds);
     renderRounds(rounds);
     renderDevices(devices);
     $("#devices-list-note").textContent = enrolled !== null && devices.length < enrolled
       ? "(the " + devices.length + " most recently seen of " + enrolled + ")" : "";
+  }
+
+  // What the task waits for, in the coordinator's words, and its latest abandoned round.
+  function renderWaiting(t) {
+    const box = $("#waiting");
+    box.hidden = !t.waiting;
+    box.dataset.waitingFor = t.waitingFor || "";
+    setField("waiting", t.waiting || "", t.waitingFor);
+    const abandoned = $("#abandoned");
+    abandoned.hidden = t.abandonedRound === null;
+    abandoned.textContent = t.abandonedRound === null ? ""
+      : "round " + t.abandonedRound + " was abandoned: " + (t.abandonReason || "no reason given");
+  }
+
+  // Bytes moved against FedAvg's, each direction on its own: FedAvg's participants download
+  // and upload the fp32 trainable tensors, half of `fedavg_bytes` each way.
+  function renderBytes(rounds) {
+    const up = sum(rounds.map((r) => r.upload));
+    const down = sum(rounds.map((r) => r.download));
+    const fed = sum(rounds.map((r) => r.fedavg));
+    const ratio = (ours, theirs, what) => (ours > 0 && theirs > 0
+      ? "FedAvg " + what + " " + C.formatRatio(theirs / ours) + "× more" : "");
+    setField("upload-bytes", C.formatBytes(up), up);
+    setField("upload-saving", ratio(up, fed / 2, "uploads"), up > 0 ? fed / 2 / up : null);
+    setField("download-bytes", C.formatBytes(down), down);
+    setField("download-saving", ratio(down, fed / 2, "downloads"),
+      down > 0 ? fed / 2 / down : null);
+    setField("fedavg-bytes", C.formatBytes(fed), fed);
+    setField("saving", up + down > 0 && fed > 0
+      ? C.formatRatio(fed / (up + down)) + "× what seedfed moved" : "",
+    up + down > 0 && fed > 0 ? fed / (up + down) : null);
   }
 
   function renderCharts(allRounds) {
@@ -357,6 +407,7 @@
         r.aggregationSeconds);
       cell(tr, when(r.opened), r.opened);
       cell(tr, when(r.closed), r.closed);
+      cell(tr, r.abandonReason || "", r.abandonReason, "note");
       body.appendChild(tr);
     }
   }

@@ -1,5 +1,6 @@
-"""Smoke test of `seedfed bench probes --quick`: it runs end to end and writes the JSON the issue
-names. No timing assertions: the figures depend on the machine and its load."""
+"""Smoke test of `seedfed bench probes --quick`: it runs end to end and writes its JSON (every
+case, mode and P, each row's figures, the memory peaks and the targets). No timing assertions:
+the figures depend on the machine and its load."""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ import pytest
 from seedfed.client.data import (
     DataFormatError,
     Examples,
+    LabelSpace,
+    MissingDataError,
+    check_format,
     dirichlet_partition,
     eval_batches,
     load_labelled,
@@ -199,3 +202,70 @@ def test_preference_examples_are_balanced_and_reproducible() -> None:
     assert a.texts != c.texts
     assert int(a.labels.sum()) == 100
     assert len(PREFERENCE_LABEL_TEXTS) == a.num_labels == 2
+
+
+# -- what a label may be, and the one-line errors that name file, line and fix ------------------
+def test_label_words_of_the_task_map_to_their_index(tmp_path: Path) -> None:
+    path = _write(tmp_path / "w.tsv", "label\tsentence\nIt was great!\tfine\nbad\tdull\n"
+                                      "  IT WAS TERRIBLE \tawful\n")
+    labels = LabelSpace.of_task(2, ("It was terrible.|bad", "It was great."))
+
+    assert load_labelled(path, labels).labels.tolist() == [1, 0, 0]
+
+
+def test_integer_labels_are_checked_against_the_tasks_range(tmp_path: Path) -> None:
+    path = _write(tmp_path / "r.jsonl", '{"label": 0, "text": "a"}\n{"label": 2.0, "text": "b"}\n')
+
+    with pytest.raises(DataFormatError, match=r"r.jsonl:2: label 2 is outside the task's 2 "):
+        load_labelled(path, LabelSpace(num_labels=2))
+
+
+def test_words_that_are_not_the_tasks_are_refused_with_the_accepted_ones(tmp_path: Path) -> None:
+    path = _write(tmp_path / "p.tsv", "label\tsentence\npos\tgood\n")
+
+    with pytest.raises(DataFormatError) as e:
+        load_labelled(path, LabelSpace.of_task(2, ("negative", "positive")))
+
+    assert "p.tsv:2: label 'pos' is not an integer" in str(e.value)
+    assert "'negative', 'positive'" in str(e.value) and "label<TAB>sentence" in e.value.hint
+
+
+def test_a_non_classifier_task_takes_any_integer_label(tmp_path: Path) -> None:
+    path = _write(tmp_path / "lm.tsv", "label\ttext\n7\tsome text\n")
+
+    assert load_labelled(path, LabelSpace.of_task(2, (), classifier=False)).labels.tolist() == [7]
+
+
+def test_json_lines_are_recognized_by_their_content(tmp_path: Path) -> None:
+    path = _write(tmp_path / "data.txt", '{"label": 1, "sentence": "fine"}\n')
+
+    assert load_labelled(path).texts == ("fine",)
+
+
+@pytest.mark.parametrize("content, needle, hint", [
+    ("label,sentence\n0,x\n", "bad.tsv:1: the file looks comma-separated", "tab-separated"),
+    ("0\tx\n1\ty\n", "bad.tsv:1: no header line", "label<TAB>sentence"),
+    ("", "bad.tsv:1: the file is empty", "label<TAB>sentence"),
+    ("label\tsentence\n0\n", "bad.tsv:2: expected 2 tab-separated columns, got 1",
+     "label<TAB>sentence"),
+])
+def test_a_malformed_file_is_one_line_naming_file_line_and_fix(
+        tmp_path: Path, content: str, needle: str, hint: str) -> None:
+    path = tmp_path / "bad.tsv"
+    path.write_bytes(content.encode())
+
+    with pytest.raises(DataFormatError) as e:
+        load_labelled(path)
+
+    assert needle in e.value.what and hint in e.value.hint and "\n" not in str(e.value)
+
+
+def test_a_file_that_is_not_text_or_not_there(tmp_path: Path) -> None:
+    binary = tmp_path / "b.tsv"
+    binary.write_bytes(b"\xff\xfe\x00label")
+
+    with pytest.raises(DataFormatError, match="not UTF-8"):
+        load_labelled(binary)
+    with pytest.raises(MissingDataError, match="it is a directory"):
+        load_labelled(tmp_path)
+    assert check_format(_write(tmp_path / "any.tsv", "label\ttext\nmaybe\tx\n")) == 1

@@ -76,3 +76,15 @@ def test_empty_snapshot_dir_is_reported(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError, match="no .safetensors"):
         latest_snapshot(tmp_path)
+
+
+def test_cli_says_which_version_it_scored(run_dir: Path) -> None:
+    latest = CliRunner().invoke(app, ["evaluate", "--run", str(run_dir), "--data",
+                                      str(run_dir / "data.tsv")])
+    chosen = CliRunner().invoke(app, ["evaluate", "--task", str(run_dir / "task.json"),
+                                      "--snapshot", str(run_dir / "snapshots" / "v2.safetensors"),
+                                      "--data", str(run_dir / "data.tsv")])
+
+    assert latest.exit_code == 0 and chosen.exit_code == 0, latest.output + chosen.output
+    assert latest.stdout.splitlines()[0].startswith("scored version 10 (")
+    assert chosen.stdout.splitlines()[0].startswith("scored version 2 (")

@@ -25,12 +25,25 @@ def test_combine_is_the_weighted_mean_in_plan_order() -> None:
 
     out = combine(task_id="t", base_version=2, round_number=1, seeds=[5, 6, 7, 8],
                   perturbations=2, lr=0.1, matrices=m, num_examples=[1, 3], losses=[1.0, 2.0],
-                  config=AggregationConfig(), secret=SECRET)
+                  config=AggregationConfig(max_weight_ratio=None), secret=SECRET)
 
     mean = (np.array([1, 2, 3, 4]) * 1 + np.array([3, 0, 1, 0]) * 3) / 4
     assert out.entry.seeds == (5, 6, 7, 8) and out.entry.base_version == 2
     assert out.entry.coefs == tuple(float(c) for c in update_coefficients(mean, 0.1, 2))
     assert out.loss == pytest.approx(1.75) and out.noise_std == 0.0
+
+
+def test_combine_weighs_with_the_round_weights_of_the_task() -> None:
+    # claims 1 and 3: the default caps each weight at the median claim, 2
+    m = [np.array([[1.0, 2.0]]), np.array([[3.0, 0.0]])]
+
+    out = combine(task_id="t", base_version=0, round_number=1, seeds=[5, 6], perturbations=2,
+                  lr=0.1, matrices=m, num_examples=[1, 3], losses=[1.0, 2.0],
+                  config=AggregationConfig(), secret=SECRET)
+
+    mean = (np.array([1, 2]) * 1 + np.array([3, 0]) * 2) / 3
+    assert out.entry.coefs == tuple(float(c) for c in update_coefficients(mean, 0.1, 2))
+    assert out.loss == pytest.approx(5 / 3)
 
 
 def test_dp_noise_is_reproducible_from_the_secret() -> None:

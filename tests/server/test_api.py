@@ -120,7 +120,7 @@ def test_deadline_closes_or_expires_rounds(api_settings: Settings, spec: TaskSpe
     import time
 
     with TestClient(create_app(api_settings)) as client:
-        task_id, join = new_task(client, spec, quorum=5, round_timeout_s=0.3)
+        task_id, join = new_task(client, spec, quorum=5, round_timeout_s=1.0)
         dev, tok = enroll(client, task_id, join)
         plan = RoundPlan.model_validate(client.post(f"/v1/tasks/{task_id}/rounds",
                                                     headers=ADMIN).json())

@@ -144,15 +144,16 @@ CASES = {
     "unknown version": (lambda w: w.client.get(f"/v1/tasks/{w.task_id}/snapshots/9",
                                                headers=ADMIN), 404, "has no version 9"),
     "log since the future": (lambda w: w.client.get(f"/v1/tasks/{w.task_id}/log",
-                                                    params={"since": 5}, headers=ADMIN), 422,
-                             "since=5 is outside"),
+                                                    params={"since": 5}, headers=ADMIN), 409,
+                             "since=5 is beyond"),
     "unknown format": (lambda w: w.client.post("/v1/tasks", headers=ADMIN, json={
         "spec": {**tiny_spec(Path(w.rt.store.root)).to_dict(), "format": "int3"}}), 422,
         "format must be one of .* got 'int3'"),
     "missing model": (lambda w: w.client.post("/v1/tasks", headers=ADMIN, json={
         "spec": tiny_spec(Path("/nonexistent")).to_dict()}), 422, "/nonexistent"),
     "invalid spec": (lambda w: w.client.post("/v1/tasks", headers=ADMIN, json={
-        "spec": {"model_path": "x", "hyper": {"lr": -1}}}), 422, "lr must be positive"),
+        "spec": {"model_path": "x", "hyper": {"lr": -1}}}), 422,
+        r"hyper.lr must be in \[1e-12, 10000\], got -1"),
 }
 
 

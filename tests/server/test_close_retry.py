@@ -1,5 +1,5 @@
 """A round close that fails is retried with backoff, surfaced, and never blocks other tasks;
-stored uploads outside today's bounds cannot fail a close (issue 9)."""
+stored uploads outside the current bounds cannot fail a close."""
 
 from __future__ import annotations
 

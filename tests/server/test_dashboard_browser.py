@@ -30,7 +30,8 @@ T0 = datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
 FEDAVG_PER_PARTICIPANT = 2 * 4 * 36_866
 
 
-def make_round(number: int, *, state: str = "closed", participants: int = 3) -> RoundMetrics:
+def make_round(number: int, *, state: str = "closed", participants: int = 3,
+               reason: str | None = None) -> RoundMetrics:
     closed = state == "closed"
     return RoundMetrics(
         round=number, version=number + 1 if closed else None, base_version=number, state=state,
@@ -40,7 +41,7 @@ def make_round(number: int, *, state: str = "closed", participants: int = 3) -> 
         fedavg_bytes=participants * FEDAVG_PER_PARTICIPANT,
         opened_at=T0 + timedelta(minutes=number),
         closed_at=T0 + timedelta(minutes=number, seconds=30) if state != "open" else None,
-        aggregation_seconds=0.012 if closed else None)
+        aggregation_seconds=0.012 if closed else None, abandon_reason=reason)
 
 
 class FixtureApi:
@@ -59,14 +60,25 @@ class FixtureApi:
                 task_id="b", name=HOSTILE_NAME, version=0, checksum="00" * 32, round=None,
                 state="idle", devices=0, devices_seen=0, quorum=1, round_timeout_s=60.0,
                 devices_per_round=None, scope="full", scope_numel=1000, format="fp16",
-                aggregation="median", epsilon=None, delta=None, created_at=T0)
+                aggregation="median", epsilon=None, delta=None, created_at=T0,
+                schedule="auto", waiting_for="devices", waiting="no device enrolled: the first "
+                "round opens when one enrolls with the task's join token")
         closed = [r for r in self.rounds if r.version is not None]
+        last = self.rounds[-1]
         return TaskStatus(
             task_id="a", name="sst2-lora", version=closed[-1].version or 0,
-            checksum="ab12" * 16, round=self.rounds[-1].round, state="open", devices=5,
+            checksum="ab12" * 16, round=last.round, state="open", devices=5,
             devices_seen=4, quorum=2, round_timeout_s=600.0, devices_per_round=None,
             scope="lora", scope_numel=36_866, format="int8", aggregation="mean",
-            epsilon=1.25, delta=1e-5, created_at=T0)
+            epsilon=1.25, delta=1e-5, created_at=T0, schedule="auto", max_rounds=40,
+            uploads=last.participants, deadline=T0 + timedelta(hours=1),
+            waiting_for="uploads", waiting=f"round {last.round}: {last.participants} of 2 "
+            "uploads for the quorum (5 device(s) enrolled)", **self.abandoned())
+
+    def abandoned(self) -> dict[str, Any]:
+        gone = [r for r in self.rounds if r.state == "abandoned"]
+        return {} if not gone else {"abandoned_round": gone[-1].round,
+                                    "abandon_reason": gone[-1].abandon_reason}
 
     def stats(self, task_id: str) -> TaskStats:
         status = self.status(task_id)
@@ -254,6 +266,83 @@ def test_shared_vs_personalized_accuracy_chart_shows_the_reported_rounds(
     assert f"{last.shared_accuracy_mean * 100:.1f}% → {last.personal_accuracy_mean * 100:.1f}%" \
         in row
     assert hidden_for_idle
+    assert problems == []
+    page.close()
+
+
+def test_the_page_says_what_each_task_waits_for_and_why_a_round_was_abandoned(
+        browser: Browser, base_url: str, fixture_api: FixtureApi) -> None:
+    # Arrange: round 9 was abandoned by an operator
+    saved = list(fixture_api.rounds)
+    fixture_api.rounds[9] = make_round(9, state="abandoned", participants=2,
+                                       reason="labels were swapped")
+    try:
+        # Act
+        page, problems = open_dashboard(browser, base_url, TOKEN)
+        waiting = (text(page, '[data-field="waiting"]'), attr(page, "#waiting",
+                                                              "data-waiting-for"))
+        listed = [text(page, f'#tasks tbody tr[data-task-id="{t}"] td.waiting-for')
+                  for t in ("a", "b")]
+        abandoned = text(page, "#abandoned")
+        note = text(page, '#rounds tbody tr[data-round="9"] td.note')
+        facts = text(page, "#facts")
+        page.click('#tasks tbody tr[data-task-id="b"]')
+        expect(page.locator("#task-title")).to_have_text("b · " + HOSTILE_NAME)
+        idle = (text(page, '[data-field="waiting"]'), attr(page, "#waiting",
+                                                           "data-waiting-for"))
+        idle_abandoned_hidden = page.is_hidden("#abandoned")
+    finally:
+        fixture_api.rounds[:] = saved
+
+    # Assert: the coordinator's words, its keyword, the reason kept with the round
+    status = fixture_api.status("a")
+    assert waiting == (status.waiting, "uploads")
+    assert listed == ["uploads 1/2", "devices"]
+    assert abandoned == "round 9 was abandoned: labels were swapped"
+    assert note == "labels were swapped" and "rounds: automatic until v40" in facts
+    assert idle[1] == "devices" and "first round opens when one enrolls" in idle[0]
+    assert idle_abandoned_hidden
+    assert problems == []
+    page.close()
+
+
+def test_the_quorum_line_shows_when_every_round_met_it_and_bytes_face_fedavg_both_ways(
+        browser: Browser, base_url: str, fixture_api: FixtureApi) -> None:
+    # Arrange: every round exactly at the quorum (2), the case that hid the line on the
+    # axis' top, along the bars' tops
+    saved = list(fixture_api.rounds)
+    fixture_api.rounds[:] = [make_round(i, participants=2) for i in range(5)]
+    try:
+        # Act
+        page, problems = open_dashboard(browser, base_url, TOKEN)
+        line_y = float(attr(page, "#chart-participation line.ref-line", "y1"))
+        bar_tops = {float(v) for v in values(page, "#chart-participation rect.bar", "y")}
+        ticks = page.eval_on_selector_all(
+            "#chart-participation .axis.y text:not(.axis-title)",
+            "els => els.map(e => [e.textContent, +e.getAttribute('y')])")
+        label = text(page, "#chart-participation .ref-label")
+        cards = {f: attr(page, f'[data-field="{f}"]') for f in (
+            "upload-bytes", "download-bytes", "fedavg-bytes", "upload-saving",
+            "download-saving", "saving")}
+        notes = {f: text(page, f'[data-field="{f}"]') for f in (
+            "upload-saving", "download-saving")}
+        rounds = list(fixture_api.rounds)
+    finally:
+        fixture_api.rounds[:] = saved
+
+    # Assert: the line lies on the bars' tops but below the axis' top, and says what it is
+    assert len(bar_tops) == 1 and bar_tops.pop() == pytest.approx(line_y, abs=0.01)
+    assert max(int(t) for t, _ in ticks) == 3 and min(y for _, y in ticks) < line_y
+    assert label == "quorum 2"
+    up, down, fed = (sum(getattr(r, f) for r in rounds)
+                     for f in ("upload_bytes", "download_bytes", "fedavg_bytes"))
+    assert (int(cards["upload-bytes"]), int(cards["download-bytes"]),
+            int(cards["fedavg-bytes"])) == (up, down, fed)
+    assert float(cards["upload-saving"]) == pytest.approx(fed / 2 / up)
+    assert float(cards["download-saving"]) == pytest.approx(fed / 2 / down)
+    assert float(cards["saving"]) == pytest.approx(fed / (up + down))
+    assert notes["upload-saving"].startswith("FedAvg uploads ")
+    assert notes["download-saving"].startswith("FedAvg downloads ")
     assert problems == []
     page.close()
 

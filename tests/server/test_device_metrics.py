@@ -1,4 +1,4 @@
-"""Device metrics (issue 12): each device's held-out accuracies per round, stored by one service
+"""Device metrics: each device's held-out accuracies per round, stored by one service
 function (the Flower strategy's and the REST route's), a repeat replacing the earlier report,
 bad reports refused with typed errors, and the fleet's mean and worst decile in the stats."""
 

@@ -23,6 +23,7 @@ from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN, bearer, enroll, new_task
 
 README = Path(__file__).resolve().parents[2] / "server" / "README.md"
+PROTOCOL = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 LIMIT = 16384
 
 
@@ -146,6 +147,21 @@ CASES: dict[str, tuple[Callable[[World], Response], int, str]] = {
                      "WireFormatError"),
     "NaN scalar": (lambda w: _binary(w, pack_binary(_g(w, float("nan")))), 422,
                    "NonFiniteScalarError"),
+    "snapshot in a format the task does not publish": (lambda w: w.client.get(
+        f"/v1/tasks/{w.task}/snapshots/0", params={"format": "int4"}, headers=ADMIN), 404,
+        "FormatNotPublishedError"),
+    "catch-up from beyond the current version": (lambda w: w.client.get(
+        f"/v1/tasks/{w.task}/catchup", params={"from": 5}, headers=bearer(w.device)), 409,
+        "VersionAheadError"),
+    "log since beyond the current version": (lambda w: w.client.get(
+        f"/v1/tasks/{w.task}/log", params={"since": 3}, headers=bearer(w.device)), 409,
+        "VersionAheadError"),
+    "abandon a round that never opened": (lambda w: w.client.post(
+        f"/v1/tasks/{w.small_task}/rounds/4/abandon", json={"reason": "r"}, headers=ADMIN),
+        404, "NotFoundError"),
+    "abandon without a reason": (lambda w: w.client.post(
+        f"/v1/tasks/{w.task}/rounds/1/abandon", json={"reason": " "}, headers=ADMIN),
+        422, "RequestValidationError"),
 }
 
 
@@ -201,3 +217,62 @@ def test_the_error_paragraph_names_exactly_the_statuses_the_service_gives() -> N
     named = {int(s) for s in re.findall(r"(?<![\w.])([45]\d\d)(?!\w)", paragraph)}
     # the error table's statuses, plus routing's 405 (FastAPI's own, with the same body)
     assert named == set(server_errors.STATUS.values()) | {405}
+
+
+# -- the error tables of server/README.md and docs/protocol.md section 8 -------------------------
+#: Error names the app answers that are not exception classes of the service.
+FRAMEWORK = {"RequestValidationError": {422}, "HTTPException": {404, 405}}
+
+
+def _tables() -> dict[str, dict[int, set[str]]]:
+    """Per document, status -> the `error` names its table gives that status."""
+    readme = _readme()
+    protocol = PROTOCOL.read_text("utf-8")
+    sections = {"server/README.md": readme[readme.index("Errors: every error answer"):
+                                           readme.index("On the upload path")],
+                "docs/protocol.md": protocol[protocol.index("## 8. "):
+                                             protocol.index("## 9. ")]}
+    return {doc: {int(code): set(re.findall(r"`(\w+)`", names))
+                  for code, names in re.findall(r"^\| (\d{3}) \| ([^|]*) \|", text, re.M)}
+            for doc, text in sections.items()}
+
+
+def _answered_types() -> set[str]:
+    """Every error type the service answers with: the coordinator's errors (but their two
+    abstract bases), the protocol errors the status table names, the framework's."""
+    own = {c.__name__ for c in vars(server_errors).values() if isinstance(c, type)
+           and issubclass(c, server_errors.CoordinatorError)
+           and c not in (server_errors.CoordinatorError, server_errors.UnavailableError)}
+    shared = {c.__name__ for c in server_errors.STATUS
+              if c.__module__ == shared_errors.__name__ and c is not shared_errors.SeedfedError}
+    return own | shared | set(FRAMEWORK)
+
+
+@pytest.mark.parametrize("doc", ["server/README.md", "docs/protocol.md"])
+def test_each_error_table_gives_every_error_the_status_the_service_gives(doc: str) -> None:
+    table = _tables()[doc]
+
+    wrong = {(status, name) for status, names in table.items() for name in names
+             if status not in FRAMEWORK.get(name, set()) and (
+                 _error_class(name) is None
+                 or server_errors.status_of(_error_class(name)("x")) != status)}  # type: ignore[misc]
+
+    assert table and wrong == set(), f"{doc}: {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("doc", ["server/README.md", "docs/protocol.md"])
+def test_each_error_table_names_every_error_type_the_service_answers(doc: str) -> None:
+    named = set().union(*_tables()[doc].values())
+
+    assert named == _answered_types(), (f"missing: {_answered_types() - named}, "
+                                        f"unknown: {named - _answered_types()}")
+
+
+@pytest.mark.parametrize("doc", ["server/README.md", "docs/protocol.md"])
+def test_each_documented_case_is_a_row_of_each_error_table(doc: str) -> None:
+    table = _tables()[doc]
+
+    missing = {case for case, (_send, status, error) in CASES.items()
+               if error not in table.get(status, set())}
+
+    assert missing == set()

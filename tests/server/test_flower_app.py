@@ -8,6 +8,7 @@ the grid is a stand-in so the REST adapter and the run-config handling are check
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -88,6 +89,38 @@ def test_strategy_over_rest_trains_and_every_device_matches(task: dict) -> None:
     assert [m.metric_devices for m in stored] == [2, 2]
     assert [m.shared_accuracy_mean for m in stored] == pytest.approx(
         [sum(a for a, _, _ in r.device_accuracy.values()) / 2 for r in strategy.history])
+
+
+def test_a_task_created_over_rest_is_never_raced_by_its_schedule_while_the_strategy_drives_it(
+        task: dict) -> None:
+    # Arrange: a task created over REST keeps the default automatic schedule, and a REST
+    # device enrolled before the ServerApp started, so the schedule opened round 1 itself
+    tmp, spec = task["tmp"], task["coord"].task_spec(task["task"])
+    settings = Settings(database_url=f"sqlite:///{tmp / 'rest.db'}", store_dir=tmp / "rest",
+                        admin_token=ADMIN, tick_interval_s=0.02)
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    with TestClient(create_app(settings)) as client:
+        created = client.post("/v1/tasks", headers=auth,
+                              json={"spec": spec.to_dict(), "quorum": 2}).json()
+        task_id, join = created["task_id"], created["join_token"]
+        client.post(f"/v1/tasks/{task_id}/devices", json={"join_token": join})
+        deadline = time.monotonic() + 20
+        while client.get(f"/v1/tasks/{task_id}/rounds/current", headers=auth).status_code != 200:
+            assert time.monotonic() < deadline, "the schedule opened no round"
+            time.sleep(0.02)
+        rest = RestCoordinator("http://testserver", ADMIN, join, client=client)
+        strategy = SeedfedStrategy(rest, task_id, FleetConfig(min_devices=2, quorum=2))
+
+        # Act: the strategy drives two rounds, then the coordinator ticks on
+        strategy.start(task["grid"], ArrayRecord(), num_rounds=2, timeout=60)
+        time.sleep(0.2)
+        rounds = client.get(f"/v1/tasks/{task_id}/rounds", headers=auth).json()
+        status = client.get(f"/v1/tasks/{task_id}", headers=auth).json()
+
+    # Assert: the strategy's two rounds and no other; the task is the strategy's now
+    assert [r.round for r in strategy.history] == [1, 2]
+    assert [(r["round"], r["state"]) for r in rounds] == [(1, "closed"), (2, "closed")]
+    assert (status["version"], status["schedule"], status["state"]) == (2, "manual", "idle")
 
 
 @pytest.mark.parametrize("transport", ["in-process", "rest"])

@@ -1,4 +1,4 @@
-"""Join tokens (issue 9): a device limit per token, rotation and revocation (admin routes),
+"""Join tokens: a device limit per token, rotation and revocation (admin routes),
 and the migration that moves each existing task's token into its own table."""
 
 from __future__ import annotations
@@ -109,3 +109,24 @@ def test_migration_moves_an_existing_tasks_join_token(tmp_path: Path) -> None:
 
     # Assert
     assert rows == [("t1", hash_token("old-join"), None, 1, None)]
+
+
+def test_a_join_token_reads_its_tasks_definition_and_nothing_else(client: TestClient,
+                                                                   spec: TaskSpec) -> None:
+    # Arrange: a device checks its data and model against the task before it enrolls
+    task_id, join = new_task(client, spec)
+    other_id, _ = new_task(client, spec)
+    bearer = {"Authorization": f"Bearer {join}"}
+
+    # Act
+    read = client.get(f"/v1/tasks/{task_id}/spec", headers=bearer)
+    other = client.get(f"/v1/tasks/{other_id}/spec", headers=bearer)
+    status = client.get(f"/v1/tasks/{task_id}", headers=bearer)
+    devices = client.get(f"/v1/tasks/{task_id}/stats", headers=ADMIN).json()["devices"]
+    client.post(f"/v1/tasks/{task_id}/join-tokens", headers=ADMIN, json={})  # rotates
+    after_rotation = client.get(f"/v1/tasks/{task_id}/spec", headers=bearer)
+
+    # Assert: the spec, without enrolling; no other task, no other route; not once revoked
+    assert read.status_code == 200 and read.json()["model_path"] == spec.model_path
+    assert devices == []
+    assert (other.status_code, status.status_code, after_rotation.status_code) == (401, 401, 401)

@@ -1,7 +1,7 @@
-"""A round is only ever opened at the task's committed version (issue 9, crash campaign: a
-close committed v22 between open_round's read of the task row and its read of the latest
-round, so round 23 opened at v21; recovery refused it at every start, the task stuck), and
-a round planned at a stale base is abandoned instead of being left `aggregating` forever."""
+"""A round is only ever opened at the task's committed version (a close that commits between
+open_round's read of the task row and its read of the latest round must not open the next
+round at the old version, which recovery would refuse at every start, leaving the task stuck),
+and a round planned at a stale base is abandoned instead of being left `aggregating` forever."""
 
 from __future__ import annotations
 
@@ -116,7 +116,9 @@ def test_recovery_abandons_an_aggregating_round_planned_at_a_stale_base(
     device, _ = coord.enroll(task_id)
     stale = stale_round(coord, task_id, device, state=RoundState.AGGREGATING)
 
-    # Act: a restart's recovery, then the ticker's auto-open
+    # Act: a restart's recovery, then the ticker's automatic schedule (opening rounds by
+    # hand above made the task manual: hand it back first)
+    coord.set_schedule(task_id, "auto")
     recovered = rounds_service.recover(coord.rt)
     rounds_service.tick(coord.rt, auto_open=True)
 

@@ -14,6 +14,30 @@ def test_production_refuses_a_missing_or_short_admin_token() -> None:
         Settings(production=True, admin_token="short")
 
 
+@pytest.mark.parametrize(("token", "msg"), [
+    (" " * 16, "whitespace, control or other characters"),
+    ("\t" * 40, "whitespace, control or other characters"),
+    ("correct horse battery staple", "whitespace"),
+    ("a" * 64, "too guessable"),
+    ("admin-" + "y" * 24, "about 37 bits"),
+    ("0123456789abcdef", "too guessable"),
+])
+def test_production_refuses_a_blank_or_guessable_admin_token_without_echoing_it(
+        token: str, msg: str) -> None:
+    with pytest.raises(ValidationError, match=msg) as caught:
+        Settings(production=True, admin_token=token)
+
+    assert token not in str(caught.value)  # the message names the problem, never the token
+    assert "secrets.token_urlsafe" in str(caught.value)
+
+
+def test_production_accepts_a_random_token() -> None:
+    import secrets
+
+    for token in (secrets.token_urlsafe(32), secrets.token_hex(16), secrets.token_urlsafe(16)):
+        assert Settings(production=True, admin_token=token).token == token
+
+
 def test_development_generates_a_random_token_instead_of_a_default() -> None:
     a, b = Settings(), Settings()
 

@@ -1,4 +1,4 @@
-"""Upload semantics over REST (issue 9): authentication before validation, retries after the
+"""Upload semantics over REST: authentication before validation, retries after the
 close, devices_per_round, revoked devices, strict and bounded numbers, plan size."""
 
 from __future__ import annotations
@@ -158,12 +158,18 @@ def test_binary_reserved_header_word_is_checked(client: TestClient, spec: TaskSp
     assert r.status_code == 422 and "reserved" in r.json()["detail"]
 
 
-def test_a_task_whose_uploads_exceed_the_body_limit_is_refused(client: TestClient,
+def test_a_task_whose_uploads_exceed_the_body_limit_is_refused(sqlite_url: str,
+                                                               tmp_path: Path,
                                                                tiny_bert: Path) -> None:
-    # 300 x 1000 scalars: 1.2 MB binary, 1.6 MB as JSON, above the default 1 MiB limit
-    spec = tiny_spec(tiny_bert, hyper=Hyper(steps=300, perturbations=1000))
+    # 64 x 1024 scalars (the most a round may plan): 262 kB binary, ~350 kB as JSON, above a
+    # coordinator's 200 kB limit
+    from seedfed.server.app import create_app
 
-    r = client.post("/v1/tasks", json={"spec": spec.to_dict()}, headers=ADMIN)
+    spec = tiny_spec(tiny_bert, hyper=Hyper(steps=64, perturbations=1024))
+    settings = make_settings(sqlite_url, tmp_path / "store", max_body_bytes=200_000)
+
+    with TestClient(create_app(settings)) as client:
+        r = client.post("/v1/tasks", json={"spec": spec.to_dict()}, headers=ADMIN)
 
     assert r.status_code == 422 and "body limit" in r.json()["detail"]
 

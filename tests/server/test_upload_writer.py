@@ -1,5 +1,5 @@
 """The group-commit writer on SQLite and PostgreSQL: one row the database refuses fails only
-its own upload, never the honest uploads committed in the same batch (issue 9)."""
+its own upload, never the honest uploads committed in the same batch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A port of the seedfed protocol written from docs/protocol.md alone, as a device in another
-language would be: pure Python (hashlib, struct, math), no numpy, no torch, no seedfed import.
+language would be: pure Python (hashlib, struct, math, fractions, json), no numpy, no torch, no
+seedfed import.
 
 It exists to prove the document is enough: `test_protocol_port.py` runs it on the inputs of
 `shared/golden/conformance.json` and compares every output. Where this file needs a rule the
@@ -136,9 +137,23 @@ def _sorted_column(col: Sequence[float], w: Sequence[float],
     return vals, ws, cum
 
 
-def aggregate(g: Sequence[Sequence[float]], num_examples: Sequence[int], rule: str,
-              clip_bound: float, trim: float, cap: int) -> list[float]:
+def weights(num_examples: Sequence[int], rule: str, cap: int, ratio: float | None
+            ) -> list[float]:
+    """Section 4's weights: 1 for trimmed_mean and median; else min(n, cap), at most
+    ratio x the median of those (the mean of the two middle ones for an even count)."""
+    if rule in ("trimmed_mean", "median"):
+        return [1.0] * len(num_examples)
     w = [float(min(n, cap)) for n in num_examples]
+    if ratio is None:
+        return w
+    s, k = sorted(w), len(w)
+    mid = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    return [min(x, ratio * mid) for x in w]
+
+
+def aggregate(g: Sequence[Sequence[float]], num_examples: Sequence[int], rule: str,
+              clip_bound: float, trim: float, cap: int, ratio: float | None) -> list[float]:
+    w = weights(num_examples, rule, cap, ratio)
     out = []
     for s in range(len(g[0])):
         col = [row[s] for row in g]
@@ -184,3 +199,112 @@ def unpack(data: bytes) -> list[list[float]]:
     if any(not math.isfinite(v) or abs(v) > 1e6 for v in flat):
         raise ValueError("non-finite or out-of-range scalar")
     return [flat[r * cols:(r + 1) * cols] for r in range(rows)]
+
+
+# -- section 6: the published snapshot formats -----------------------------------------------------
+def round_half_even(x: float) -> int:
+    return round(x)  # Python's round() of a float is to the nearest integer, ties to even
+
+
+def f16_bits(x: float) -> str:
+    """IEEE binary16 of a float32 value, to nearest, ties to even (struct's 'e' rounds so)."""
+    return struct.pack(">e", x).hex()
+
+
+def bf16_bits(x: float) -> str:
+    bits = struct.unpack(">I", struct.pack(">f", x))[0]
+    return f"{((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF:04x}"
+
+
+def quantize_group_rows(rows: Sequence[Sequence[float]], bits: int, group: int,
+                        ) -> tuple[list[list[int]], list[list[float]]]:
+    """Codes (padded to whole groups) and float32 scales of a matrix, per row and group."""
+    qmax = 127 if bits == 8 else 7
+    width = -(-len(rows[0]) // group) * group
+    codes, scales = [], []
+    for row in rows:
+        padded = list(row) + [0.0] * (width - len(row))
+        crow, srow = [], []
+        for g in range(0, width, group):
+            part = padded[g:g + group]
+            top = max(abs(v) for v in part)
+            s = f32(top / qmax) if top > 0 else 1.0
+            crow += [max(-qmax, min(qmax, round_half_even(f32(v / s)))) for v in part]
+            srow.append(s)
+        codes.append(crow)
+        scales.append(srow)
+    return codes, scales
+
+
+def pack_nibbles(codes: Sequence[int]) -> list[int]:
+    return [(codes[k] + 8) | ((codes[k + 1] + 8) << 4) for k in range(0, len(codes), 2)]
+
+
+def unpack_nibbles(data: Sequence[int]) -> list[int]:
+    return [c for b in data for c in ((b & 0x0F) - 8, (b >> 4) - 8)]
+
+
+def dequantize_rows(codes: Sequence[Sequence[int]], scales: Sequence[Sequence[float]],
+                    width: int, group: int) -> list[float]:
+    return [f32(row[c] * srow[c // group]) for row, srow in zip(codes, scales, strict=True)
+            for c in range(width)]
+
+
+# -- sections 5 and 6: ternary layers -------------------------------------------------------------
+def ternary_gamma(latents: Sequence[float]) -> float:
+    from fractions import Fraction
+
+    exact = sum((Fraction(abs(w)) for w in latents), Fraction(0)) / len(latents)
+    return f32(max(float(exact), 1e-5))  # exact mean, then float64, then float32
+
+
+def ternarize(w: float, gamma: float) -> int:
+    return max(-1, min(1, round_half_even(f32(w / gamma))))
+
+
+def pack_ternary(q: Sequence[int]) -> list[int]:
+    codes = [v + 1 for v in q] + [1] * (-len(q) % 4)
+    return [codes[i] | codes[i + 1] << 2 | codes[i + 2] << 4 | codes[i + 3] << 6
+            for i in range(0, len(codes), 4)]
+
+
+def unpack_ternary(data: Sequence[int], n: int) -> list[int]:
+    codes = [(b >> (2 * j)) & 3 for b in data for j in range(4)][:n]
+    if 3 in codes:
+        raise ValueError("invalid ternary code 3")
+    return [c - 1 for c in codes]
+
+
+def threshold_mask(latents: Sequence[float], gamma: float, fraction: float) -> list[int]:
+    d = [abs(f32(f32(abs(w) / gamma) - 0.5)) for w in latents]
+    k = min(len(d), max(1, math.ceil(fraction * len(d))))
+    return sorted(sorted(range(len(d)), key=lambda i: (d[i], i))[:k])
+
+
+def quantize_activations(row: Sequence[float], bits: int = 8) -> list[float]:
+    qmax = 2 ** (bits - 1) - 1
+    s = f32(qmax * f32(1 / max(max(abs(v) for v in row), f32(1e-5))))  # reciprocal, product
+    return [f32(max(-qmax - 1, min(qmax, round_half_even(f32(v * s)))) / s) for v in row]
+
+
+# -- section 6: the snapshot file ------------------------------------------------------------------
+DTYPE_FORMATS = {"F32": "f", "F16": "e", "I8": "b", "U8": "B", "I32": "i"}
+
+
+def read_safetensors(data: bytes) -> tuple[dict[str, tuple[str, list[int], list[float]]],
+                                           dict[str, str]]:
+    """name -> (dtype, shape, values) and the metadata of a safetensors file."""
+    import json
+
+    n = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8:8 + n].decode("utf-8"))
+    meta = header.pop("__metadata__", {})
+    base = 8 + n
+    out = {}
+    for name, t in header.items():
+        begin, end = t["data_offsets"]
+        code = DTYPE_FORMATS[t["dtype"]]
+        count = (end - begin) // struct.calcsize(code)
+        out[name] = (t["dtype"], t["shape"],
+                     list(struct.unpack_from(f"<{count}{code}", data, base + begin)))
+    return out, meta

@@ -1,13 +1,16 @@
-"""Weights in the robust rules and the cap on one device's weight (issue 9)."""
+"""The weights of a round: uniform for the robust rules, FedAvg's claims capped at the round's
+median claim for the mean; the weighted rules themselves."""
 
 import numpy as np
 import pytest
 from seedfed.shared.aggregate import (
     DEFAULT_MAX_NUM_EXAMPLES,
+    DEFAULT_MAX_WEIGHT_RATIO,
     AggregationConfig,
     aggregate,
     capped_weights,
     median,
+    round_weights,
     trimmed_mean,
 )
 from seedfed.shared.task import TaskSpec
@@ -71,3 +74,80 @@ def test_task_json_without_the_cap_loads_with_the_documented_default():
 def test_cap_outside_its_range_is_refused(bad: object):
     with pytest.raises(ValueError, match="max_num_examples"):
         AggregationConfig(max_num_examples=bad)  # type: ignore[arg-type]
+
+
+# -- round_weights: the weights the coordinator gives a round's claims ---------------------------
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median"])
+def test_robust_rules_weigh_every_device_the_same_whatever_it_claims(rule: str) -> None:
+    claims = [1, 1000, 2**31 - 1, 7]
+
+    w = round_weights(claims, AggregationConfig(rule=rule))  # type: ignore[arg-type]
+
+    assert w.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_the_mean_caps_each_weight_at_the_median_claim_by_default() -> None:
+    # five claims: median 35 (200,000 first capped at 100,000)
+    w = round_weights([40, 30, 200_000, 35, 25], AggregationConfig())
+
+    assert DEFAULT_MAX_WEIGHT_RATIO == 1.0
+    assert w.tolist() == [35.0, 30.0, 35.0, 35.0, 25.0]
+
+
+def test_the_ratio_multiplies_the_median_of_an_even_count_and_none_drops_it() -> None:
+    claims = [7, 9, 20, 100]  # median 14.5
+
+    assert round_weights(claims, AggregationConfig(max_weight_ratio=2.5)).tolist() == \
+        [7.0, 9.0, 20.0, 36.25]
+    assert round_weights(claims, AggregationConfig(max_weight_ratio=None)).tolist() == \
+        [7.0, 9.0, 20.0, 100.0]
+
+
+def test_six_liars_of_twenty_claiming_the_cap_hold_their_count_share_not_the_round() -> None:
+    # Arrange: the probe's attack: 14 honest devices report 1,000, 6 liars the cap (100,000)
+    claims = np.array([1000] * 14 + [100_000] * 6)
+    liars = np.arange(20) >= 14
+
+    # Act
+    shares = {rule: float(w[liars].sum() / w.sum()) for rule in ("mean", "median")
+              for w in [round_weights(claims, AggregationConfig(rule=rule))]}  # type: ignore
+    uncapped = round_weights(claims, AggregationConfig(max_weight_ratio=None))
+
+    # Assert: 30% under the default mean and the median; 97.7% with the cap alone
+    assert shares == {"mean": pytest.approx(0.3), "median": pytest.approx(0.3)}
+    assert float(uncapped[liars].sum() / uncapped.sum()) == pytest.approx(0.977, abs=1e-3)
+
+
+def test_liars_claiming_the_cap_cannot_move_the_median() -> None:
+    # Arrange: 14 honest devices push +1, 6 liars push -1e4 claiming 2**31 - 1 examples
+    g = np.array([[1.0]] * 14 + [[-1e4]] * 6)
+    claims = [1000] * 14 + [2**31 - 1] * 6
+    config = AggregationConfig(rule="median")
+
+    out = aggregate(g, round_weights(claims, config), config)
+
+    assert out.tolist() == [1.0]
+
+
+def test_task_json_without_the_ratio_loads_with_the_default() -> None:
+    spec = TaskSpec.from_dict({"model_path": "m", "aggregation": {"rule": "mean",
+                                                                  "max_num_examples": 50}})
+
+    assert spec.aggregation.max_weight_ratio == DEFAULT_MAX_WEIGHT_RATIO
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("inf"), 1e7])
+def test_a_ratio_outside_its_range_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"aggregation.max_weight_ratio must be in \[1, 1e\+06\]"):
+        AggregationConfig(max_weight_ratio=bad)
+
+
+def test_the_spec_json_leaves_the_default_ratio_out_for_older_readers() -> None:
+    # A device of a release before max_weight_ratio builds AggregationConfig(**aggregation)
+    plain = TaskSpec(model_path="m")
+    set_ = TaskSpec(model_path="m", aggregation=AggregationConfig(max_weight_ratio=None))
+
+    assert "max_weight_ratio" not in plain.to_dict()["aggregation"]
+    assert set_.to_dict()["aggregation"]["max_weight_ratio"] is None
+    assert TaskSpec.from_dict(plain.to_dict()) == plain
+    assert TaskSpec.from_dict(set_.to_dict()) == set_

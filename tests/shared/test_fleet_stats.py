@@ -1,4 +1,4 @@
-"""The fleet's mean and worst decile of the devices' accuracies: one definition (issue 12)."""
+"""The fleet's mean and worst decile of the devices' accuracies: one definition."""
 
 import pytest
 from seedfed.shared.fleet_stats import fleet_accuracy, mean, worst_decile

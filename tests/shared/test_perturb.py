@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from seedfed.shared import perturb, replay
@@ -8,6 +9,7 @@ from seedfed.shared.scopes import build_scope
 from seedfed.shared.stream import rademacher
 
 from .conftest import tiny_llama
+from .devices import DEVICES, host_stream, torch_stream
 
 
 def _loss(model, batch):
@@ -87,13 +89,13 @@ def test_virtual_probe_perturbs_embedding_rows_without_swapping_the_weight(llama
 def test_virtual_step_generates_each_tensors_z_once_and_keeps_the_bits(llama, token_batch,
                                                                        monkeypatch):
     # One seed per step: its +eps probe, its -eps probe and the update share one generation
-    # of z per tensor (issue 13), and the step ends on the bits of the copy strategy.
+    # of z per tensor, and the step ends on the bits of the copy strategy.
     generated: dict[str, int] = {}
     real = perturb.tensor_words
 
-    def counting(seed, name, numel):
+    def counting(seed, name, numel, device="cpu"):
         generated[name] = generated.get(name, 0) + 1
-        return real(seed, name, numel)
+        return real(seed, name, numel, device)
 
     monkeypatch.setattr(perturb, "tensor_words", counting)
     regenerated: list[str] = []  # tensors whose update generated z again
@@ -118,3 +120,39 @@ def test_virtual_step_generates_each_tensors_z_once_and_keeps_the_bits(llama, to
     assert generated and set(generated.values()) == {1}
     assert not virtual_regenerated & set(generated)  # the update reused every cached z
     assert checksum(virtual) == checksum(copy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["copy", "virtual"])
+def test_torch_path_probes_and_step_give_the_kernel_paths_bits(token_batch, device, mode):
+    # Arrange: one model on the kernel path (host), its twin on the torch path (on `device`)
+    host, moved = tiny_llama(), tiny_llama().to(device)
+    h_scope, d_scope = build_scope("full", host), build_scope("full", moved)
+    batch = {k: v.to(device) for k, v in token_batch.items()}
+    config = ZOConfig(lr=1e-2, eps=1e-3, perturbations=2, mode=mode)
+    h_probe, d_probe = Perturber(h_scope, mode), Perturber(d_scope, mode)
+    with host_stream(), h_probe.step(), h_probe.probe(seed=2**64 - 1, scale=0.05):
+        h_loss = _loss(host, token_batch)
+    # Act
+    with torch_stream():
+        with d_probe.step(), d_probe.probe(seed=2**64 - 1, scale=0.05):
+            d_loss = _loss(moved, batch)
+            signs = d_probe.signs
+        step = spsa_step(d_scope, lambda: _loss(moved, batch), [3, 2**63], config)
+    with host_stream():
+        h_step = spsa_step(h_scope, lambda: _loss(host, token_batch), [3, 2**63], config)
+    # Assert: on the CPU the forwards are one arithmetic, so every bit agrees
+    if mode == "virtual":  # a step's cached z lives on the device as int64 words
+        assert signs is not None
+        words = signs.cached(next(iter(d_scope)).name, 2**64 - 1)
+        assert isinstance(words, torch.Tensor) and words.device.type == device
+    if device == "cpu":
+        assert d_loss == h_loss
+        assert np.array_equal(step.g, h_step.g)
+        assert checksum(d_scope) == checksum(h_scope)
+    else:  # another device's matmuls may round differently: replaying its scalars must agree
+        replica = build_scope("full", tiny_llama())
+        with host_stream():
+            replay.apply_seeds(replica, [3, 2**63],
+                               replay.update_coefficients(step.g, 1e-2, 2).tolist())
+        assert checksum(replica) == checksum(d_scope)

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from tests.shared.conftest import tiny_llama
+from tests.shared.devices import DEVICES, host_stream, torch_stream
 
 SEEDS = [11, 12, 13, 14]
 #: |g| is O(1) here; batched forwards round matmuls and loss means differently, and g divides
@@ -450,3 +451,30 @@ def test_task_check_refuses_copies_beyond_the_memory_budget() -> None:
     with pytest.raises(ProbeMemoryError, match="probe_copies=8"):
         check_task_probes(model, scope, batch_size=4, seq_len=32, copies=8,
                           budget_mb=est.bytes_for(8) / 2**20 / 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("layers.1.mlp.down_proj",)])
+def test_torch_path_engine_step_gives_the_kernel_paths_bits(device, targets) -> None:  # noqa: ANN001
+    # Arrange: batched copies (fused LoRA matmuls fed by `perturbed_pairs`, per-copy swaps
+    # fed by `perturbed_pair`) on the kernel path on the host and the torch path on `device`
+    host, h_scope = _lora_llama(targets)
+    moved, d_scope = _lora_llama(targets)
+    moved.to(device)
+    batch = _lm_batch()
+    config = ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
+    h_engine = ProbeEngine(host, h_scope, causal_lm_loss, causal_lm_losses)
+    d_engine = ProbeEngine(moved, d_scope, causal_lm_loss, causal_lm_losses)
+    # Act
+    with host_stream():
+        h_result = engine_step(h_engine, batch, SEEDS, config)
+    with torch_stream():
+        d_result = engine_step(d_engine, {k: v.to(device) for k, v in batch.items()}, SEEDS,
+                               config)
+    # Assert: one arithmetic on the CPU; elsewhere matmuls may round differently
+    assert d_engine.stats.copies_per_forward == h_engine.stats.copies_per_forward > 1
+    if device == "cpu":
+        assert np.array_equal(d_result.g, h_result.g)
+        assert checksum(d_scope) == checksum(h_scope)
+    else:
+        np.testing.assert_allclose(d_result.g, h_result.g, atol=G_TOL, rtol=1e-3)

@@ -87,8 +87,10 @@ def test_the_port_aggregates_with_every_rule() -> None:
     a = KIT["aggregation"]
     for c in a["cases"]:
         g = [[port.from_bits32(v) for v in row] for row in c["g"]]
+        assert port.weights(c["num_examples"], c["rule"], c["max_num_examples"],
+                            c["max_weight_ratio"]) == c["weights"]
         agg = port.aggregate(g, c["num_examples"], c["rule"], c["clip_bound"], c["trim"],
-                             c["max_num_examples"])
+                             c["max_num_examples"], c["max_weight_ratio"])
         assert [port.bits64(v) for v in agg] == [x["bits"] for x in c["aggregate"]], c["rule"]
         coefs = [port.coefficient(v, a["lr"], a["perturbations"]) for v in agg]
         assert [port.bits32(v) for v in coefs] == c["coefs"]
@@ -123,3 +125,90 @@ def test_the_port_reproduces_the_stream_vectors_of_protocol_vectors() -> None:
     for case in committed_vectors():
         assert f"{port.tensor_id(case['name'])}" == str(case["tensor_id"])
         assert port.z_slice(case["seed"], case["name"], 0, len(case["z"])) == case["z"]
+
+
+# -- section 6: the published formats and a ternary device's layer ------------------------------
+def _f32s(values: list[str]) -> list[float]:
+    return [port.from_bits32(v) for v in values]
+
+
+def test_the_port_rounds_float32_to_fp16_and_bf16() -> None:
+    for c in KIT["published"]["casts"]:
+        x = port.from_bits32(c["f32"])
+        assert (port.f16_bits(x), port.bf16_bits(x)) == (c["f16"], c["bf16"]), c
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_port_publishes_and_decodes_the_group_wise_formats(fmt: str) -> None:
+    pub, bits = KIT["published"], 8 if fmt == "int8" else 4
+    group, files = pub["group_size"], pub[fmt]["tensors"]
+    for name, t in pub["state"].items():
+        values, shape = _f32s(t["values"]), t["shape"]
+        if len(shape) != 2 or shape[1] < group:  # stays float32, flat
+            assert files[name]["dtype"] == "F32" and _f32s(files[name]["values"]) == values
+            assert pub[fmt]["decoded"][name] == t["values"]
+            continue
+        rows = [values[r * shape[1]:(r + 1) * shape[1]] for r in range(shape[0])]
+        codes, scales = port.quantize_group_rows(rows, bits, group)
+        stored = files[f"{name}.codes"]
+        flat = [c for row in codes for c in row]
+        if bits == 4:
+            assert stored["dtype"] == "U8" and stored["values"] == port.pack_nibbles(flat)
+            assert port.unpack_nibbles(stored["values"]) == flat
+        else:
+            assert stored["dtype"] == "I8" and stored["values"] == flat
+        assert [port.bits32(s) for row in scales for s in row] == \
+            files[f"{name}.scales"]["values"]
+        decoded = port.dequantize_rows(codes, scales, shape[1], group)
+        assert [port.bits32(v) for v in decoded] == pub[fmt]["decoded"][name], name
+
+
+def test_the_port_reads_a_published_snapshot_file() -> None:
+    f = KIT["published"]["file"]
+
+    tensors, meta = port.read_safetensors(bytes.fromhex(f["bytes"]))
+
+    assert meta == f["metadata"]
+    assert set(tensors) == set(f["tensors"])
+    for name, (dtype, shape, values) in tensors.items():
+        want = f["tensors"][name]
+        assert (dtype, shape) == (want["dtype"], want["shape"])
+        got = [port.bits32(v) for v in values] if dtype == "F32" else values
+        assert got == want["values"], name
+
+
+def test_the_port_builds_and_loads_a_ternary_layer() -> None:
+    t = KIT["ternary"]
+    latents, (out, n_in), layer = _f32s(t["latents"]), t["shape"], t["layer"]
+    files = t["tensors"]
+
+    gamma = port.ternary_gamma(latents)
+    q = [port.ternarize(w, gamma) for w in latents]
+    mask = port.threshold_mask(latents, gamma, t["mask_fraction"])
+    loaded = port.unpack_ternary(files[f"{layer}.packed"]["values"], out * n_in)
+    masked = _f32s(files[f"{layer}.latent"]["values"])
+    for i, w in zip(files[f"{layer}.mask"]["values"], masked, strict=True):
+        loaded[i] = port.ternarize(w, port.from_bits32(files[f"{layer}.gamma"]["values"][0]))
+
+    assert port.bits32(gamma) == t["gamma"] == files[f"{layer}.gamma"]["values"][0]
+    assert q == t["q"] == loaded
+    assert port.pack_ternary(q) == files[f"{layer}.packed"]["values"]
+    assert mask == files[f"{layer}.mask"]["values"]
+    assert [port.bits32(latents[i]) for i in mask] == files[f"{layer}.latent"]["values"]
+    assert [port.bits32(port.f32(gamma * v)) for v in loaded] == t["effective_weight"]
+    state = {f"{layer}.weight": masked}
+    head = {"classifier.weight": _f32s(files["classifier.weight"]["values"])}
+    assert port.checksum(state) == t["checksum"]
+    assert port.checksum({**state, **head}) == t["checksum_with_head"]
+
+
+def test_the_port_fake_quantizes_activations() -> None:
+    a = KIT["ternary"]["activations"]
+    for row, want in zip(a["x"], a["quantized"], strict=True):
+        got = port.quantize_activations(_f32s(row), a["act_bits"])
+        assert [port.bits32(v) for v in got] == want
+
+
+def test_a_packed_byte_holding_the_invalid_code_is_refused() -> None:
+    with pytest.raises(ValueError, match="invalid"):
+        port.unpack_ternary([0b11_01_01_01], 4)

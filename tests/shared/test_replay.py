@@ -9,10 +9,11 @@ from seedfed.client.trainer import LocalTrainer, causal_lm_loss
 from seedfed.shared.aggregate import build_entry
 from seedfed.shared.errors import ChecksumMismatchError, LogEntryMismatchError, NonFiniteScalarError
 from seedfed.shared.replay import LogEntry, apply_seeds, checksum, replay, update_coefficients
-from seedfed.shared.scopes import build_scope
+from seedfed.shared.scopes import Scope, ScopedTensor, build_scope
 from seedfed.shared.wire import RoundPlan
 
 from .conftest import tiny_llama
+from .devices import DEVICES, host_stream, torch_stream
 
 SETTINGS = settings(
     max_examples=8, deadline=None,
@@ -130,3 +131,84 @@ def test_replay_with_correct_checksums_advances_version(llama):
 def test_update_coefficients_refuse_non_finite():
     with pytest.raises(NonFiniteScalarError):
         update_coefficients(np.array([1.0, np.inf]), 0.1, 1)
+
+
+# -- the stream's torch path (any device; forced on the CPU): the same replay and checksums --
+
+def _masked_llama_scope(device: str = "cpu"):
+    model = tiny_llama().to(device)
+    rng = np.random.default_rng(0)
+    tensors = []
+    for name, p in model.named_parameters(remove_duplicate=True):
+        idx = np.flatnonzero(rng.random(p.numel()) < 0.1).astype(np.int64)
+        tensors.append(ScopedTensor(name, p, torch.from_numpy(idx).to(device)))
+    return Scope(model, tensors)
+
+
+DEVICE_SCOPES = {
+    "full": lambda device: build_scope("full", tiny_llama().to(device)),
+    "named": lambda device: build_scope("named", tiny_llama().to(device),
+                                        patterns=("layers.1.",)),
+    "masked": _masked_llama_scope,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", sorted(DEVICE_SCOPES))
+def test_torch_path_replay_reaches_the_kernel_checksum(device, kind):
+    rng = np.random.default_rng(3)
+    seeds = [int(s) for s in rng.integers(0, 2**64 - 1, size=12, dtype=np.uint64)]
+    coefs = [float(np.float32(c)) for c in rng.normal(0, 1e-3, size=12)]
+    host, on_device = DEVICE_SCOPES[kind]("cpu"), DEVICE_SCOPES[kind](device)
+    assert checksum(on_device) == checksum(host)  # the hash of the same bytes, host or device
+
+    with host_stream():
+        apply_seeds(host, seeds, coefs)
+    with torch_stream():
+        apply_seeds(on_device, seeds, coefs)
+
+    assert next(iter(on_device)).tensor.device.type == device
+    assert checksum(on_device) == checksum(host)
+
+
+@pytest.mark.parametrize("kind", ["scales", "ternary"])
+def test_torch_path_replay_of_scales_and_ternary_scopes_reaches_the_kernel_checksum(kind):
+    from seedfed.shared.quant import QuantConfig, quantize_model
+
+    def scope():
+        if kind == "scales":
+            return build_scope("scales", quantize_model(tiny_llama(),
+                                                        QuantConfig(bits=4, group_size=16)))
+        return build_scope("ternary", tiny_llama(), fraction=0.05)
+
+    seeds, coefs = [5, 2**63 + 1, 77], [1e-3, -2e-3, 5e-4]
+    kernel_scope, torch_scope = scope(), scope()
+
+    with host_stream():
+        apply_seeds(kernel_scope, seeds, coefs)
+    with torch_stream():
+        apply_seeds(torch_scope, seeds, coefs)
+
+    assert checksum(torch_scope) == checksum(kernel_scope)
+
+
+@pytest.mark.parametrize("mode", ["copy", "virtual"])
+def test_a_torch_path_device_and_a_kernel_path_coordinator_end_on_one_checksum(mode):
+    # Arrange: the device trains with the torch ops, the coordinator replays with the kernel
+    device, coordinator, kernel_device = tiny_llama(), tiny_llama(), tiny_llama()
+    d_scope, c_scope = build_scope("full", device), build_scope("full", coordinator)
+    k_scope = build_scope("full", kernel_device)
+    seeds = [[2**53 - 1, 12], [2**40 + 3, 0]]  # a plan's seeds are JSON-safe integers
+    plan = _plan(seeds, 1e-2, 1e-3)
+    # Act
+    with torch_stream():
+        result = LocalTrainer(device, d_scope, causal_lm_loss, mode=mode).run(
+            plan, iter(_batches(1, 2)), keep=True)
+    with host_stream():
+        kernel_result = LocalTrainer(kernel_device, k_scope, causal_lm_loss, mode=mode).run(
+            plan, iter(_batches(1, 2)), keep=True)
+        coefs = update_coefficients(result.scalars.reshape(-1), 1e-2, 2)
+        apply_seeds(c_scope, plan.flat_seeds, coefs.tolist())
+    # Assert: one forward arithmetic on one CPU, so the scalars are the kernel path's too
+    assert np.array_equal(result.scalars, kernel_result.scalars)
+    assert checksum(c_scope) == checksum(d_scope) == checksum(k_scope)

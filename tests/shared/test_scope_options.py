@@ -61,9 +61,9 @@ def test_the_options_keep_their_json_object_on_the_wire() -> None:
 @pytest.mark.parametrize(("kind", "options", "msg"), [
     ("named", {}, "at least one"),
     ("named", {"pattern": ["x"]}, "no option 'pattern'; its options: patterns"),
-    ("scales", {"floor": 0.0}, "floor must be positive"),
+    ("scales", {"floor": 0.0}, r"scope_options.floor must be in \(0, 1\], got 0.0"),
     ("scales", {"bits": 3}, "bits must be 4 or 8"),
-    ("ternary", {"fraction": 2.0}, "fraction must lie in"),
+    ("ternary", {"fraction": 2.0}, r"scope_options.fraction must be in \(0, 1\]"),
     ("ternary", {"selection": "best"}, "selection must be one of"),
     ("full", {"patterns": ["x"]}, "scope 'full' has no option 'patterns'"),
 ])
@@ -118,8 +118,8 @@ def test_ternary_selection_none_needs_the_head() -> None:
     ({"alternate": True}, "need train_head"),
     ({"alternate": True, "train_head": True, "selection": "none"}, "other than 'none'"),
     ({"head_lr": 1.0, "train_head": True}, "apply to alternate epochs only"),
-    ({"alternate": True, "train_head": True, "head_lr": 0.0}, "head_lr must be positive"),
-    ({"alternate": True, "train_head": True, "head_perturbations": 0}, "integer >= 1"),
+    ({"alternate": True, "train_head": True, "head_lr": 0.0}, r"head_lr must be in \[1e-12"),
+    ({"alternate": True, "train_head": True, "head_perturbations": 0}, "an integer in 1..65536"),
     ({"alternate": True, "train_head": True, "head_steps": True}, "head_steps must be"),
 ])
 def test_bad_alternate_options_are_refused(options: dict[str, object], msg: str) -> None:

@@ -1,8 +1,12 @@
 import numpy as np
 import pytest
 import torch
-from seedfed.shared import stream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from seedfed.shared import stream, torch_philox
 from seedfed.shared.vectors import check_kat, committed_vectors, compute_vectors
+
+from .devices import DEVICES, bits, host_stream, torch_stream
 
 
 def _reference_z(seed: int, name: str, n: int) -> list[int]:
@@ -136,3 +140,144 @@ def test_perturbed_pair_gives_the_bits_of_two_perturbed_calls():
 
     assert torch.equal(plus, stream.perturbed(x, "w", 9, 1e-3))
     assert torch.equal(minus, stream.perturbed(x, "w", 9, -1e-3))
+
+
+# -- the torch-ops path (any device; forced on the CPU) against the kernel / numpy path ------
+
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Lengths around the stream's word (64) and block (256) edges and the torch path's CPU chunk.
+LENGTHS = st.sampled_from([1, 63, 64, 65, 255, 256, 257, 4097, 70_001,
+                           torch_philox.CPU_CHUNK_ELEMENTS + 300])
+COEFS = st.one_of(st.sampled_from([0.0, -0.0, 1e-45, -3e-39, 1.0, -2.5e30, 3e38]),
+                  st.floats(-1e3, 1e3, width=32, allow_nan=False))
+U64 = st.one_of(st.integers(0, 2**64 - 1), st.integers(2**64 - 16, 2**64 - 1))
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    """Gaussian values with the awkward cases planted: -0.0, a subnormal, +-inf, huge."""
+    x = torch.from_numpy(np.random.default_rng(seed).normal(size=n).astype(np.float32))
+    special = torch.tensor([-0.0, 1e-40, float("inf"), -float("inf"), 3e38])
+    x[: min(n, 5)] = special[: min(n, 5)]
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@SETTINGS
+@given(n=LENGTHS, seeds=st.lists(U64, min_size=0, max_size=12), data=st.data())
+def test_torch_path_replay_equals_the_kernel_path(device, n, seeds, data):
+    coefs = data.draw(st.lists(COEFS, min_size=len(seeds), max_size=len(seeds)))
+    expected = _values(n, len(seeds))
+    x = expected.clone().to(device)
+    with host_stream():
+        stream.add_seeds_(expected, "w", seeds, coefs)
+
+    with torch_stream():
+        stream.add_seeds_(x, "w", seeds, coefs)
+
+    assert x.device.type == device
+    assert torch.equal(bits(x), bits(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@SETTINGS
+@given(n=st.integers(1, 20_000), seeds=st.lists(U64, min_size=1, max_size=5),
+       density=st.sampled_from([0.001, 0.05, 0.6, 1.0]), compact=st.booleans(), data=st.data())
+def test_torch_path_masked_replay_equals_the_kernel_path(device, n, seeds, density, compact,
+                                                         data):
+    coefs = data.draw(st.lists(COEFS, min_size=len(seeds), max_size=len(seeds)))
+    idx = np.flatnonzero(np.random.default_rng(n).random(n) < density).astype(np.int64)
+    expected = _values(idx.size if compact else n, 4)
+    x = expected.clone().to(device)
+    with host_stream():
+        stream.add_seeds_(expected, "m", seeds, coefs, torch.from_numpy(idx), compact)
+
+    with torch_stream():
+        stream.add_seeds_(x, "m", seeds, coefs, torch.from_numpy(idx).to(device), compact)
+
+    assert torch.equal(bits(x), bits(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@SETTINGS
+@given(n=LENGTHS, seed=U64, c=COEFS)
+def test_torch_path_perturbations_equal_the_kernel_path(device, n, seed, c):
+    x = _values(n, 3)
+    with host_stream():
+        expected = stream.perturbed(x, "p", seed, c)
+        expected_pair = stream.perturbed_pair(x, "p", seed, c)
+        words = stream.tensor_words(seed, "p", n)
+        expected_words = torch.empty_like(x)
+        stream.add_words(expected_words, x, words, float(np.float32(c)))
+
+    with torch_stream():
+        xd = x.to(device)
+        got = stream.perturbed(xd, "p", seed, c)
+        plus, minus = stream.perturbed_pair(xd, "p", seed, c)
+        got_words = torch.empty_like(xd)
+        device_words = stream.tensor_words(seed, "p", n, device)
+        stream.add_words(got_words, xd, device_words, float(np.float32(c)))
+
+    assert isinstance(device_words, torch.Tensor)
+    assert device_words.cpu().numpy().view(np.uint64).tolist() == words.tolist()
+    assert torch.equal(bits(got), bits(expected))
+    assert torch.equal(bits(plus), bits(expected_pair[0]))
+    assert torch.equal(bits(minus), bits(expected_pair[1]))
+    assert torch.equal(bits(got_words), bits(expected_words))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3,), (2, 300), (5, 64)])
+def test_torch_path_batched_pairs_equal_the_kernel_path(device, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    seeds = [0, 7, 2**64 - 1, 2**63]
+    with host_stream():
+        expected = stream.perturbed_pairs(x, "h", seeds, 1e-3)
+
+    with torch_stream():
+        got = stream.perturbed_pairs(x.to(device), "h", seeds, 1e-3)
+
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == (len(seeds), *shape) and g.device.type == device
+        assert torch.equal(bits(g), bits(e))
+
+
+def test_words_of_either_path_feed_either_path():
+    x, c = _values(1000, 9), float(np.float32(0.125))
+    with torch_stream():
+        torch_words = stream.tensor_words(5, "w", 1000)
+    with host_stream():
+        kernel_words = stream.tensor_words(5, "w", 1000)
+        expected = stream.perturbed(x, "w", 5, c)
+    out = [torch.empty_like(x) for _ in range(4)]
+
+    with host_stream():
+        stream.add_words(out[0], x, torch_words, c)  # kernel path, torch words
+        stream.add_words(out[3], x, kernel_words, c)
+    with torch_stream():
+        stream.add_words(out[1], x, kernel_words, c)  # torch path, numpy words
+        stream.add_words(out[2], x, torch_words, c)
+
+    assert isinstance(torch_words, torch.Tensor) and isinstance(kernel_words, np.ndarray)
+    for o in out:
+        assert torch.equal(bits(o), bits(expected))
+
+
+def test_the_stream_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(stream.STREAM_ENV, raising=False)
+    assert not stream.forced_by_environment()
+    monkeypatch.setenv(stream.STREAM_ENV, "torch")
+    assert stream.forced_by_environment()
+    monkeypatch.setenv(stream.STREAM_ENV, "cuda")
+    with pytest.raises(ValueError, match="SEEDFED_STREAM='cuda' is not one of auto, torch"):
+        stream.forced_by_environment()
+
+
+def test_torch_stream_switches_cpu_tensors_and_restores():
+    before = stream.torch_forced()
+    with torch_stream():
+        assert stream.on_torch("cpu") and stream.on_torch(torch.device("cpu"))
+        with torch_stream(False):
+            assert not stream.on_torch("cpu")
+            assert stream.on_torch("meta")  # any device but the CPU takes the torch ops
+    assert stream.torch_forced() == before

@@ -1,4 +1,4 @@
-"""Every number an upload carries has a range, checked by the wire schema (issue 9)."""
+"""Every number an upload carries has a range, checked by the wire schema."""
 
 import json
 import struct
@@ -72,7 +72,7 @@ def test_binary_header_dimensions_are_bounded():
         unpack_binary(data)
 
 
-# -- device metrics (issue 12): a device's held-out accuracies, numbers only -----------------
+# -- device metrics: a device's held-out accuracies, numbers only ---------------------------
 def metrics_body(**update: object) -> str:
     d: dict[str, object] = {"version": 3, "num_examples": 48, "shared_accuracy": 0.5,
                             "personal_accuracy": 0.75, "local_accuracy": 0.625}

@@ -26,11 +26,13 @@ _SNAPSHOT_HEADERS = ((HEADER_CHECKSUM, "state checksum of the version (replay.ch
                      (HEADER_FORMAT, "fp32 or the task's published format"))
 
 
-@router.get("/log", response_model=list[LogEntryWire], responses=errors(401, 403, 404, 422))
+@router.get("/log", response_model=list[LogEntryWire],
+            responses=errors(401, 403, 404, 409, 422))
 def log(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep, _: ReaderDep,
         since: Annotated[int, Query(ge=0, le=MAX_VERSION)] = 0,
         limit: Annotated[int | None, Query(ge=1, le=100_000)] = None) -> list[LogEntryWire]:
-    """Entries after version `since`: seeds, float32 coefficients (base64) and checksum."""
+    """Entries after version `since`: seeds, float32 coefficients (base64) and checksum.
+    409 `VersionAheadError` when `since` is beyond the task's current version."""
     return service.serve_log(rt, session, task_id=task_id, since=since, limit=limit)
 
 
@@ -50,7 +52,7 @@ def snapshot(task_id: TaskIdPath, version: VersionPath, session: SessionDep, rt:
              ) -> StreamingResponse:
     """The trainable state of a version as safetensors (fp32 master by default), streamed.
     404 for a version whose files were pruned (`keep_versions`): take the current one or
-    replay the log."""
+    replay the log; 404 `FormatNotPublishedError` for a format the task does not publish."""
     (_path, sha, chk, size, fmt), stream = service.serve_snapshot(
         rt, session, task_id=task_id, version=version, fmt=format)
     return StreamingResponse(stream, media_type="application/octet-stream", headers={

@@ -1,4 +1,5 @@
-"""Rounds: open and close (admin), the current plan, uploads and held-out metrics (device)."""
+"""Rounds: open, close and abandon (admin), the current plan, uploads and held-out metrics
+(device)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from seedfed.shared.wire import (
 
 from ... import service
 from ...errors import NotFoundError
-from ...schemas import MetricsReceipt, UploadReceipt
+from ...schemas import AbandonedRound, AbandonRequest, MetricsReceipt, UploadReceipt
 from ..deps import AdminDep, DeviceCredential, DeviceDep, ReaderDep, RuntimeDep, WriterDep
-from ..ingest import ingest
+from ..ingest import close_after_answer, ingest
 from ..openapi import RoundPath, TaskIdPath, errors
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/rounds", tags=["rounds"])
@@ -78,6 +79,17 @@ async def close(task_id: TaskIdPath, round_number: RoundPath, rt: RuntimeDep,
                                    number=round_number)
 
 
+@router.post("/{round_number}/abandon", response_model=AbandonedRound,
+             responses=errors(400, 401, 404, 409, 422))
+async def abandon(task_id: TaskIdPath, round_number: RoundPath, body: AbandonRequest,
+                  rt: RuntimeDep, _: AdminDep) -> AbandonedRound:
+    """End an open or aggregating round without a new version (e.g. one whose close fails on
+    every attempt): its uploads are not aggregated, the reason is kept and shown, and the
+    task goes on from its committed version. 409 when the round already ended."""
+    return await run_in_threadpool(service.abandon_round, rt, task_id=task_id,
+                                   number=round_number, reason=body.reason)
+
+
 @router.post("/{round_number}/uploads", response_model=UploadReceipt,
              responses=errors(400, 401, 403, 404, 409, 413, 422), openapi_extra=_UPLOAD_DOC)
 async def upload(
@@ -93,7 +105,7 @@ async def upload(
                                 device=device, headers=request.headers,
                                 body=await request.body())
     if due is not None:
-        background.add_task(service.close_if_due, rt, task_id=task_id, round_id=due)
+        background.add_task(close_after_answer, rt, task_id=task_id, round_id=due)
     return receipt
 
 

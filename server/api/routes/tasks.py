@@ -9,8 +9,23 @@ from fastapi.concurrency import run_in_threadpool
 from seedfed.shared.wire import MAX_VERSION
 
 from ... import service
-from ...schemas import CatchupPlan, RoundMetrics, TaskCreate, TaskCreated, TaskStats, TaskStatus
-from ..deps import AdminDep, ReaderDep, RuntimeDep, SessionDep, StatsReaderDep
+from ...schemas import (
+    CatchupPlan,
+    RoundMetrics,
+    ScheduleUpdate,
+    TaskCreate,
+    TaskCreated,
+    TaskStats,
+    TaskStatus,
+)
+from ..deps import (
+    AdminDep,
+    ReaderDep,
+    RuntimeDep,
+    SessionDep,
+    SpecReaderDep,
+    StatsReaderDep,
+)
 from ..openapi import TaskIdPath, errors
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
@@ -20,12 +35,28 @@ router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
              responses=errors(400, 401, 413, 422))
 async def create_task(body: TaskCreate, rt: RuntimeDep, _: AdminDep) -> TaskCreated:
     """Create a task from a local Hugging Face model directory; builds and stores version 0.
-    The join token in the answer is shown once."""
+    The join token in the answer is shown once. With `schedule: auto` (the default) the
+    coordinator runs its rounds back to back once a device enrolled, until `max_rounds`."""
     task_id, join, version, chk = await run_in_threadpool(
         service.create_task, rt, spec=body.spec, name=body.name, quorum=body.quorum,
         round_timeout_s=body.round_timeout_s, devices_per_round=body.devices_per_round,
-        max_devices_per_token=body.max_devices_per_token)
+        max_devices_per_token=body.max_devices_per_token, schedule=body.schedule,
+        max_rounds=body.max_rounds)
     return TaskCreated(task_id=task_id, join_token=join, version=version, checksum=chk)
+
+
+@router.patch("/{task_id}/schedule", response_model=TaskStatus,
+              responses=errors(400, 401, 404, 422))
+def schedule(task_id: TaskIdPath, body: ScheduleUpdate, session: SessionDep, rt: RuntimeDep,
+             _: AdminDep) -> TaskStatus:
+    """Who opens the task's rounds from now on (`auto`: the coordinator, back to back;
+    `manual`: only `POST .../rounds`) and the automatic schedule's limit (`max_rounds`; null
+    removes it). Answers the task's status."""
+    service.set_schedule(rt, task_id=task_id, schedule=body.schedule,
+                         max_rounds=body.max_rounds,
+                         clear_limit="max_rounds" in body.model_fields_set
+                         and body.max_rounds is None)
+    return service.task_status(rt, session, task_id=task_id)
 
 
 @router.get("", response_model=list[TaskStatus], responses=errors(401))
@@ -39,9 +70,11 @@ def get_task(task_id: TaskIdPath, session: SessionDep, rt: RuntimeDep, _: Reader
 
 
 @router.get("/{task_id}/spec", responses=errors(401, 403, 404, 422))
-def task_spec(task_id: TaskIdPath, session: SessionDep, _: ReaderDep) -> dict[str, Any]:
+def task_spec(task_id: TaskIdPath, session: SessionDep, _: SpecReaderDep) -> dict[str, Any]:
     """The task definition (TaskSpec as JSON) a device builds its model and scope from; the
-    device substitutes its own copy of the base model for `model_path`."""
+    device substitutes its own copy of the base model for `model_path`. Readable with the
+    admin token, a device token of the task, or one of its join tokens (a device checks its
+    data and model against the task before it enrolls)."""
     return service.task_spec(session, task_id=task_id).to_dict()
 
 
@@ -59,7 +92,7 @@ def rounds(task_id: TaskIdPath, session: SessionDep, _: StatsReaderDep) -> list[
 
 
 @router.get("/{task_id}/catchup", response_model=CatchupPlan,
-            responses=errors(401, 403, 404, 422))
+            responses=errors(401, 403, 404, 409, 422))
 def catchup(task_id: TaskIdPath, session: SessionDep, _: ReaderDep,
             from_version: Annotated[int, Query(alias="from", ge=0, le=MAX_VERSION)],
             # Bounded so that every estimate (bytes / rate) is a finite JSON number.
@@ -69,6 +102,7 @@ def catchup(task_id: TaskIdPath, session: SessionDep, _: ReaderDep,
                                   ] = 1e8,
             ) -> CatchupPlan:
     """Replay the log or download the latest snapshot, whichever the device's bandwidth and
-    regeneration rate make cheaper."""
+    regeneration rate make cheaper. 409 `VersionAheadError` when `from` is beyond the task's
+    current version."""
     return service.catchup_plan(session, task_id=task_id, from_version=from_version,
                                 bandwidth=bandwidth, regen_rate=regen_rate)

@@ -52,7 +52,7 @@ def test_the_cli_reports_a_refused_export_as_a_bad_parameter(model: Path,
 
 def test_the_ort_device_needs_its_bundle() -> None:
     result = CliRunner().invoke(app, ["device", "--url", "http://x", "--task", "t",
-                                      "--backend", "ort"])
+                                      "--data", "builtin", "--backend", "ort"])
 
     assert result.exit_code == 2 and "--model BUNDLE" in result.output
 

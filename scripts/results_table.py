@@ -1,0 +1,322 @@
+"""The README's results table, generated from the benchmark results in benchmarks/results/.
+
+Each row names what was measured, reads its figures from the JSON files a benchmark wrote, and
+shows the command that writes those files, so a figure in the README always equals its source
+and re-running the command (then `--write`) updates it.
+
+    python scripts/results_table.py                    # print the markdown table
+    python scripts/results_table.py --check README.md  # exit 1 when README.md's table differs
+    python scripts/results_table.py --write README.md  # replace README.md's table
+
+The table sits between the lines `<!-- results:begin -->` and `<!-- results:end -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+HEADER = ("| measure | result | command that measures it |\n"
+          "|---|---|---|")
+
+Results = dict[str, Any]
+
+
+class TableError(Exception):
+    """A results file or a README that the table cannot be built from or written into."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: `result` turns the named JSON files (by file stem) into text."""
+
+    measure: str
+    sources: tuple[str, ...]
+    commands: tuple[str, ...]  # run in this order, they write the sources
+    result: Callable[[dict[str, Results]], str]
+
+    @property
+    def command_text(self) -> str:
+        return "; ".join(f"`{c}`" for c in self.commands)
+
+
+def _get(data: Results, *path: str | int) -> Any:
+    """data[path[0]][path[1]]...; a missing key names the whole path in the error."""
+    node: Any = data
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError) as e:
+            raise KeyError("/".join(map(str, path))) from e
+    return node
+
+
+def _load(stem: str, results: Path) -> Results:
+    path = results / f"{stem}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise TableError(f"{path}: missing; run the command of its row in "
+                         f"scripts/results_table.py to write it") from e
+    except json.JSONDecodeError as e:
+        raise TableError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from e
+    if not isinstance(data, dict):
+        raise TableError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _load_note(data: Results) -> str:
+    """'; N cores at load average L' where the benchmark recorded its machine's load."""
+    cpus, load = data.get("cpus"), data.get("load_avg_1m")
+    if load is None and isinstance(data.get("env"), dict):
+        cpus, ends = data["env"].get("cpus"), data["env"].get("loadavg_end")
+        load = ends[0] if ends else None
+    if load is None:
+        return ""
+    return f"; {cpus} cores at load average {load:.1f}"
+
+
+def _sst2(r: dict[str, Results]) -> str:
+    d = r["accuracy_head_cosine_p512"]
+    runs = _get(d, "repeats", "fed_zo_head", "accuracy")
+    curve = _get(d, "methods", "fed_zo_head")
+    v0 = _get(curve, "points", 0, "accuracy")
+    return (f"test accuracy {v0:.3f} -> **{sum(runs) / len(runs):.3f}** (mean of "
+            f"{len(runs)} training runs: {', '.join(f'{a:.3f}' for a in runs)}); "
+            f"{_get(curve, 'extra', 'rounds')} rounds, {curve['wall_seconds']:.0f} s a run on "
+            f"{d['torch_threads']} thread")
+
+
+def _quant(r: dict[str, Results]) -> str:
+    q = r["accuracy_quant_cosine_p512"]
+    fp32 = _get(r["accuracy_head_cosine_p512"], "repeats", "fed_zo_head", "accuracy", 0)
+    int8 = _get(q, "methods", "fed_zo_head_int8", "final_accuracy")
+    int4 = _get(q, "methods", "fed_zo_head_int4", "final_accuracy")
+    return (f"int8 **{int8:.3f}**, int4 **{int4:.3f}**, against {fp32:.3f} for fp32 with the "
+            f"same seeds (one training run each)")
+
+
+def _personal(r: dict[str, Results]) -> str:
+    runs = {run["method"]: run for run in _get(r["personalization"], "tasks", "tastes")}
+    p = _get(runs, "residual", "personalization")
+    same_upload = _get(runs, "residual", "upload_bytes") == _get(runs, "off", "upload_bytes")
+    return (f"held-out accuracy, mean of {p['devices']} devices: shared model "
+            f"{p['shared_accuracy_mean']:.3f}, personalized **{p['personal_accuracy_mean']:.3f}**,"
+            f" local-only {p['local_accuracy_mean']:.3f}; "
+            f"{p['share_personal_at_least_shared']:.0%} of devices at least as good "
+            f"personalized; upload bytes {'equal to' if same_upload else 'NOT equal to'} "
+            f"a run without personalization")
+
+
+def _ternary(r: dict[str, Results]) -> str:
+    s = _get(r["ternary_fed_b32"], "summary", "head")
+    return (f"test accuracy {s['initial_mean']:.3f} -> **{s['final_mean']:.3f}** +- "
+            f"{s['final_sd']:.3f} ({len(s['seeds'])} seeds, +{s['lift_points']:.1f} points); "
+            f"{s['seconds_mean'] / 60:.0f} min a run")
+
+
+def _ternary_memory(r: dict[str, Results]) -> str:
+    m = _get(r["ternary_memory_head_b32"], "memory", "head")
+    fp32 = "holds" if m["holds_fp32_weights"] else "never holds"
+    return (f"ZO step peak **{m['zo_over_infer']:.3f} x** packed inference "
+            f"({m['zo_peak_mib']:.0f} vs {m['infer_peak_mib']:.0f} MiB); the device {fp32} "
+            f"fp32 weights")
+
+
+def _core(r: dict[str, Results]) -> str:
+    d = r["core_quiet"]
+    return (f"ZO step peak **{d['zo_vs_inference_mem']:.2f} x** inference "
+            f"({d['memory_detail']['zo_virtual']['peak_mb']:.0f} vs "
+            f"{d['inference_peak_mb']:.0f} MB); SGD {d['sgd_vs_inference_mem']:.2f} x, "
+            f"AdamW {d['adamw_vs_inference_mem']:.2f} x{_load_note(d)}")
+
+
+def _upload(r: dict[str, Results]) -> str:
+    row = _get(r["flower_bytes"], "rows", 0)
+    return (f"{row['scalars']} scalars: {row['payload_bytes']} B of reply content, "
+            f"**{row['ratio_head']:.3f} x** FedAvg of the 770-parameter head, "
+            f"{row['ratio_lora']:.4f} x of LoRA, {row['ratio_full']:.1e} x of the whole model")
+
+
+def _ort(r: dict[str, Results]) -> str:
+    d = r["ort_device"]
+    t, o = d["torch"], d["ort"]
+    return (f"**{o['ms_per_scalar']:.2f} vs {t['ms_per_scalar']:.2f} ms** per scalar, peak RSS "
+            f"{o['peak_rss_mb']:.0f} vs {t['peak_rss_mb']:.0f} MB, install "
+            f"{_get(d, 'install', 'ort', 'mb'):.0f} vs {_get(d, 'install', 'torch', 'mb'):,.0f} MB"
+            f" (ONNX Runtime vs torch); scalars within {d['max_abs_scalar_diff']:.1e}")
+
+
+def _ingest(r: dict[str, Results]) -> str:
+    d = r["ingest"]
+    parts = []
+    for res in d["results"]:
+        if res["mode"] == "open loop 1000/s":
+            parts.append(f"{res['backend']} {res['uploads_per_s']:,.0f} uploads/s, "
+                         f"p99 **{res['p99_ms']:.1f} ms**")
+    if not parts:
+        raise KeyError("results/<mode 'open loop 1000/s'>")
+    return (f"offered 1,000 uploads/s from {d['results'][0]['clients']} connections: "
+            f"{'; '.join(parts)}{_load_note(d)}")
+
+
+def _crash(r: dict[str, Results]) -> str:
+    parts = []
+    for stem in ("crash_sqlite", "crash_postgres"):
+        res = _get(r[stem], "results", 0)
+        same = res["replayed_ok"] == res["versions"]
+        parts.append(f"{res['backend']}: {res['kills']} kills, {res['receipts']:,} acknowledged "
+                     f"uploads, **{res['lost']} lost**, {res['duplicate_rows']} duplicated, "
+                     f"{'every' if same else 'NOT every'} version equal to its replay"
+                     f"{_load_note(r[stem])}")
+    return "; ".join(parts)
+
+
+def _fuzz(r: dict[str, Results]) -> str:
+    d = r["fuzz"]
+    return (f"{d['requests']:,} requests over {d['operations']} operations: "
+            f"**{d['server_errors']} server errors**, {d['violations']} schema violations, "
+            f"{d['server_tracebacks']} tracebacks")
+
+
+SST2 = "PATH/sst2/train.tsv"
+ROWS: tuple[Row, ...] = (
+    Row("SST-2 sentiment: federated ZO with the shipped recipe (MiniLM-L6 head, 20 "
+        "Dirichlet(0.5) devices, all every round)",
+        ("accuracy_head_cosine_p512",),
+        (f"python benchmarks/accuracy.py --data {SST2} --methods fed_zo_head --repeats 3 "
+         "--threads 1 --eval-every 50 --out benchmarks/results/accuracy_head_cosine_p512.json",),
+        _sst2),
+    Row("the same recipe on an int8 / int4 shared model",
+        ("accuracy_quant_cosine_p512", "accuracy_head_cosine_p512"),
+        (f"python benchmarks/accuracy.py --data {SST2} --methods "
+         "fed_zo_head_int8,fed_zo_head_int4 --threads 1 --eval-every 50 "
+         "--out benchmarks/results/accuracy_quant_cosine_p512.json",),
+        _quant),
+    Row("personalization on the per-device-taste task (`seedfed simulate`'s default)",
+        ("personalization",),
+        (f"python benchmarks/personalization.py --sst2 {SST2}",),
+        _personal),
+    Row("a ternary (BitNet b1.58) MiniLM: the ternary recipe on SST-2",
+        ("ternary_fed_b32",),
+        (f"seedfed ternarize --data {SST2} --out runs/ternary-minilm",
+         f"python benchmarks/ternary_fed.py --data {SST2} --model runs/ternary-minilm "
+         "--seeds 0,1,2 --variants head,threshold+head --batch-size 32 "
+         "--json benchmarks/results/ternary_fed_b32.json"),
+        _ternary),
+    Row("memory of a packed ternary device's ZO step (that recipe)",
+        ("ternary_memory_head_b32",),
+        (f"python benchmarks/ternary_fed.py --data {SST2} --model runs/ternary-minilm "
+         "--variants head --batch-size 32 --memory-only "
+         "--json benchmarks/results/ternary_memory_head_b32.json",),
+        _ternary_memory),
+    Row("memory of a ZO step of every weight, SmolLM-135M-shaped Llama, batch 8 x 128",
+        ("core_quiet",),
+        ("seedfed bench core --json benchmarks/results/core_quiet.json",),
+        _core),
+    Row("upload per device and round (4 steps x 4 seeds)",
+        ("flower_bytes",),
+        ("python benchmarks/flower_bytes.py --json benchmarks/results/flower_bytes.json",),
+        _upload),
+    Row("a device without torch (`--backend ort`), the shipped SST-2 recipe, one thread",
+        ("ort_device",),
+        (f"python benchmarks/ort_device.py --data {SST2} --rounds 12",),
+        _ort),
+    Row("coordinator upload ingestion (20 scalars an upload)",
+        ("ingest",),
+        ("python benchmarks/ingest.py --db sqlite postgres --uploads 20000 --rate 1000 2000 0 "
+         "--json benchmarks/results/ingest.json",),
+        _ingest),
+    Row("SIGKILL campaign against a coordinator under upload load",
+        ("crash_sqlite", "crash_postgres"),
+        ("python benchmarks/crash.py --db sqlite --kills 100 "
+         "--json benchmarks/results/crash_sqlite.json",
+         "python benchmarks/crash.py --db postgres --kills 100 "
+         "--json benchmarks/results/crash_postgres.json"),
+        _crash),
+    Row("schema-driven fuzzing of the REST API (schemathesis, SQLite)",
+        ("fuzz",),
+        ("python benchmarks/fuzz.py --requests 30000 --seed 2026 "
+         "--json benchmarks/results/fuzz.json",),
+        _fuzz),
+)
+
+
+def render(results: Path = RESULTS, rows: tuple[Row, ...] = ROWS) -> str:
+    """The markdown table, one line per row; raises TableError naming the file at fault."""
+    lines = [HEADER]
+    cache: dict[str, Results] = {}
+    for row in rows:
+        for stem in row.sources:
+            if stem not in cache:
+                cache[stem] = _load(stem, results)
+        try:
+            result = row.result(cache)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise TableError(f"{', '.join(s + '.json' for s in row.sources)} in {results}: "
+                             f"no usable figure for {row.measure!r} ({type(e).__name__}: "
+                             f"{e}); re-run {row.command_text}") from e
+        lines.append(f"| {row.measure} | {result} | {row.command_text} |")
+    return "\n".join(lines) + "\n"
+
+
+def _split(text: str, where: Path) -> tuple[str, str, str]:
+    """(before the table, the table, from the end marker on)."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < 0 or end < begin or text.count(BEGIN) > 1 or text.count(END) > 1:
+        raise TableError(f"{where}: needs one line {BEGIN} and, after it, one line {END} "
+                         f"around the results table")
+    start = begin + len(BEGIN) + 1  # the table starts on the line after the marker
+    return text[:start], text[start:end], text[end:]
+
+
+def check(readme: Path, table: str) -> bool:
+    """True when `readme`'s table equals `table`."""
+    return _split(readme.read_text(), readme)[1] == table
+
+
+def write(readme: Path, table: str) -> None:
+    """Replace `readme`'s table with `table`, leaving the rest of the file as it is."""
+    before, _, after = _split(readme.read_text(), readme)
+    readme.write_text(before + table + after)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", type=Path, metavar="README",
+                      help="exit 1 when this file's table differs from the results")
+    mode.add_argument("--write", type=Path, metavar="README",
+                      help="replace this file's table with the one built from the results")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="folder of the benchmark JSON files (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    try:
+        table = render(args.results)
+        if args.check:
+            if check(args.check, table):
+                return 0
+            print(f"error: the results table in {args.check} differs from {args.results}; "
+                  f"run `python scripts/results_table.py --write {args.check}`", file=sys.stderr)
+            return 1
+        if args.write:
+            write(args.write, table)
+            return 0
+    except (TableError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
