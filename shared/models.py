@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -530,6 +531,13 @@ def frozen_prefix_depth(model: nn.Module, scope: Scope) -> int:
     return depth
 
 
+#: transformers' `from_pretrained` swaps `PreTrainedModel.tie_weights` for a no-op while it loads
+#: and puts it back after; two loads in threads (devices of one process) can interleave so the
+#: no-op stays, and every model built after that comes out with untied embeddings. One load at a
+#: time keeps the class intact.
+_LOADING = threading.Lock()
+
+
 def load_base(spec: TaskSpec) -> tuple[nn.Module, Any]:
     """Load the frozen base model and tokenizer from a local Hugging Face directory."""
     from transformers import (
@@ -544,7 +552,7 @@ def load_base(spec: TaskSpec) -> tuple[nn.Module, Any]:
     tokenizer = load_tokenizer(path)
     pooling = sentence_pooling(path) if spec.model_kind == "seq_cls" else None
     model: nn.Module
-    with _quiet_loading():
+    with _LOADING, _quiet_loading():
         if pooling is not None:
             encoder = AutoModel.from_pretrained(path, dtype=torch.float32,
                                                 add_pooling_layer=False)

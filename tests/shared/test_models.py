@@ -311,3 +311,27 @@ def test_distinct_rows_match_the_exact_loop_on_stacked_copies() -> None:
         flat = torch.cat([ids, mask], dim=1).numpy()
 
         assert _distinct_rows(ids, mask, None) == _distinct_rows_exact(flat)
+
+
+def test_loads_in_threads_leave_weight_tying_working(tmp_path: Path) -> None:
+    # Arrange: a tied causal LM on disk, loaded by eight threads at once (devices of one process)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from seedfed.shared.models import load_base
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "lm")
+    spec = TaskSpec(model_path=str(tmp_path / "lm"), model_kind="causal_lm", scope="full")
+    tie_weights = PreTrainedModel.tie_weights
+
+    # Act
+    with ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: load_base(spec)[0], range(16)))
+
+    # Assert: every load tied, and a model built afterwards still ties its embeddings
+    assert PreTrainedModel.tie_weights is tie_weights
+    assert all(m.lm_head.weight is m.model.embed_tokens.weight for m in loaded)
+    fresh = LlamaForCausalLM(config)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
