@@ -36,7 +36,8 @@ test: install
 
 lint: install
 	$(BIN)/ruff check seedfed shared client server tests benchmarks
-	$(BIN)/mypy seedfed shared client server
+	$(PY) scripts/typecheck.py
+	$(PY) scripts/check_imports.py
 
 bench: install
 	$(BIN)/seedfed bench core --json runs/bench-core.json

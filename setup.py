@@ -26,11 +26,11 @@ def _packages() -> list[str]:
 
 
 #: The perturbation stream's C kernel (Philox + fused multi-seed adds), loaded with ctypes by
-#: shared/zkernel.py. No Python.h needed; -ffp-contract=off and no -ffast-math keep every
+#: shared/model/zkernel.py. No Python.h needed; -ffp-contract=off and no -ffast-math keep every
 #: addition one IEEE float32 addition (the replay contract).
 ZKERNEL = Extension(
-    "seedfed.shared._zkernel",
-    sources=["shared/_zkernel.c"],
+    "seedfed.shared.model._zkernel",
+    sources=["shared/model/_zkernel.c"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi"],
 )
 

@@ -45,8 +45,8 @@ from seedfed.client.data import Examples, train_batches
 from seedfed.client.device_data import DeviceData, dataset_splits, load_device_examples
 from seedfed.client.evaluate import accuracy
 from seedfed.client.trainer import classification_loss
-from seedfed.shared.models import ModelBundle, build_model
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.model.models import ModelBundle, build_model
+from seedfed.shared.protocol.task import TaskSpec
 
 ZO_METHODS = ("fed_zo_head", "fed_zo_head_int8", "fed_zo_head_int4",
               "fed_zo_body", "fed_zo_body_int8", "fed_zo_body_int4")

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 from seedfed.server.aggregation import combine
 from seedfed.server.store import ModelStore
-from seedfed.shared import stream
-from seedfed.shared.aggregate import AggregationConfig
-from seedfed.shared.replay import checksum
-from seedfed.shared.scopes import Scope, build_scope
-from seedfed.shared.stream import (
+from seedfed.shared.model import stream
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.scopes import Scope, build_scope
+from seedfed.shared.model.stream import (
     BLOCK_ELEMENTS,
     CHUNK_ELEMENTS,
     _expand,
@@ -44,6 +43,7 @@ from seedfed.shared.stream import (
     stream_words,
     tensor_id,
 )
+from seedfed.shared.protocol.aggregate import AggregationConfig
 from torch import nn
 
 SECRET = "5eedfed05eedfed05eedfed05eedfed0"

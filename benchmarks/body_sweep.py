@@ -54,7 +54,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seedfed.client import recipes  # noqa: E402
 from seedfed.client.data import tokenize  # noqa: E402
-from seedfed.shared.models import build_model  # noqa: E402
+from seedfed.shared.model.models import build_model  # noqa: E402
 from sweep_data import FedConfig, carve  # noqa: E402
 
 LAYERS_CACHED = (0, 3, 4, 5)  # states entering these encoder layers are stored
@@ -68,7 +68,7 @@ LN_EPS = 1e-12
 
 def _encoder_params(bundle: Any) -> dict[str, torch.Tensor]:
     """Float weights of the encoder layers (dequantized for int8/int4) and the head."""
-    from seedfed.shared.quant.linear import QuantLinear
+    from seedfed.shared.model.quant.linear import QuantLinear
 
     model = bundle.model
     out: dict[str, torch.Tensor] = {}

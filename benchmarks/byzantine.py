@@ -5,8 +5,8 @@ tenth over 300 rounds, the bias's step scale 0.1, eps 1e-3, one step of P = 512 
 batch 16, all 20 Dirichlet(0.5) devices every round) run on cached sentence embeddings, as
 `benchmarks/head_sweep.py` does: same split and partition (`carve`), Rademacher z, two-point
 estimates, coef = -(lr / P) * AGG_d g_d. AGG is the coordinator's own
-`seedfed.shared.aggregate.aggregate` with the coordinator's weights
-(`seedfed.shared.aggregate.round_weights` of the claimed example counts) and each round's lr
+`seedfed.shared.protocol.aggregate.aggregate` with the coordinator's weights
+(`seedfed.shared.protocol.aggregate.round_weights` of the claimed example counts) and each round's lr
 from the recipe's own schedule (`Hyper.lr_of_round`). z and batches come from numpy
 generators, not the Philox stream (same distribution, not the same bits). The head is a
 two-class linear model, so each probe's loss is computed from the logit margin in closed form.
@@ -69,9 +69,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seedfed.client.recipes import HEAD_STEP_SCALES, SST2_HYPER  # noqa: E402
-from seedfed.shared.aggregate import AggregationConfig, aggregate, round_weights  # noqa: E402
-from seedfed.shared.task import Hyper  # noqa: E402
-from seedfed.shared.wire import MAX_NUM_EXAMPLES  # noqa: E402
+from seedfed.shared.protocol.aggregate import AggregationConfig, aggregate, round_weights  # noqa: E402
+from seedfed.shared.protocol.task import Hyper  # noqa: E402
+from seedfed.shared.protocol.wire import MAX_NUM_EXAMPLES  # noqa: E402
 
 ATTACKS: tuple[str, ...] = ("extreme", "opposite", "sign_flip", "constant", "colluding", "ipm",
                             "minmax", "edge", "inflated", "colluding_claims")

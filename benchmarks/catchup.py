@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from seedfed.client.catchup import calibrate_replay_rate, crossover_versions
 from seedfed.client.sync import catch_up, load_state, state_bytes
-from seedfed.shared.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.scopes import Scope, ScopedTensor
-from seedfed.shared.wire import LogEntryWire
+from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.scopes import Scope, ScopedTensor
+from seedfed.shared.protocol.wire import LogEntryWire
 from torch import nn
 
 SEEDS_PER_ENTRY = 64  # the SST-2 recipe: 1 step x 64 perturbations
@@ -44,9 +44,9 @@ def recipe_scopes() -> dict[str, Scope]:
     from dataclasses import replace
 
     from seedfed.client.recipes import sst2_recipe
-    from seedfed.shared.models import build_model
-    from seedfed.shared.scope_options import options_for
-    from seedfed.shared.task import LoraOptions
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.protocol.scope_options import options_for
+    from seedfed.shared.protocol.task import LoraOptions
 
     spec = sst2_recipe().spec
     out = {"head": build_model(spec, initialize=True).scope}

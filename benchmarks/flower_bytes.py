@@ -24,7 +24,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from seedfed.client.flower_app import reply_content
 from seedfed.client.recipes import HEAD_OPTIONS, HEAD_SCOPE, sst2_recipe
 from seedfed.server.flower_strategy import message_bytes, payload_bytes
-from seedfed.shared.models import build_model
+from seedfed.shared.model.models import build_model
 
 SHAPES = ((4, 4), (10, 1), (10, 4), (20, 20), (50, 20))
 

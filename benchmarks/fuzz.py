@@ -43,7 +43,7 @@ DEVICE_ONLY = {("POST", "/v1/tasks/{task_id}/rounds/{round_number}/uploads")}
 
 
 def task_spec(model: Path) -> dict[str, Any]:
-    from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
+    from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
 
     return TaskSpec(model_path=str(model), num_labels=2, label_texts=("negative", "positive"),
                     scope="lora", lora=LoraOptions(r=2),
@@ -86,7 +86,7 @@ class World:
 
     def upload(self, token: str) -> None:
         import numpy as np
-        from seedfed.shared.wire import RoundPlan, Upload
+        from seedfed.shared.protocol.wire import RoundPlan, Upload
 
         auth = {"Authorization": f"Bearer {token}"}
         plan = RoundPlan.model_validate(self.http.get(

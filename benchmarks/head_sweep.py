@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seedfed.client import recipes  # noqa: E402
-from seedfed.shared.models import build_model  # noqa: E402
+from seedfed.shared.model.models import build_model  # noqa: E402
 from sweep_data import FedConfig, _embed, carve  # noqa: E402
 
 TEST_SPLIT = False  # --test: score the benchmark's test split (only to confirm a choice)

@@ -38,8 +38,8 @@ ADMIN = "bench-admin-token-" + "x" * 16
 def prepare(url: str, store: Path, model: Path, n: int, seeds: int) -> tuple[str, list[str],
                                                                              list[str]]:
     """Task, n enrolled devices, an open round; returns (task_id, tokens, upload bodies)."""
-    from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
-    from seedfed.shared.wire import Upload
+    from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
+    from seedfed.shared.protocol.wire import Upload
 
     spec = TaskSpec(model_path=str(model), label_texts=("negative", "positive"),
                     lora=LoraOptions(r=2), hyper=Hyper(steps=1, perturbations=seeds))

@@ -138,8 +138,8 @@ def worker(args: argparse.Namespace) -> None:
     """One backend in this process: v0, `rounds` plans, timings, RSS, the scalars."""
     import numpy as np
     from seedfed.client.device_data import DeviceData, load_device_examples
-    from seedfed.shared.task import TaskSpec
-    from seedfed.shared.wire import RoundPlan
+    from seedfed.shared.protocol.task import TaskSpec
+    from seedfed.shared.protocol.wire import RoundPlan
 
     spec = TaskSpec.from_dict(json.loads(Path(args.spec).read_text()))
     snap = Path(args.snapshot).read_bytes()
@@ -201,8 +201,8 @@ def main() -> None:
     from seedfed.client.ort.export import export_bundle
     from seedfed.client.recipes import sst2_recipe
     from seedfed.client.sync import state_bytes
-    from seedfed.shared.models import build_model
-    from seedfed.shared.replay import checksum
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.replay import checksum
 
     torch.set_num_threads(1)
     spec = sst2_recipe().spec

@@ -88,7 +88,7 @@ def _reset_peak() -> bool:
 
 def _build(spec: Spec) -> Any:
     import torch
-    from seedfed.shared.quant import QuantConfig, build_quantized, materialize_rest
+    from seedfed.shared.model.quant import QuantConfig, build_quantized, materialize_rest
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**MODELS[spec.model], tie_word_embeddings=False,
@@ -104,7 +104,7 @@ def _build(spec: Spec) -> Any:
 
 
 def _parameter_count(model: Any) -> int:
-    from seedfed.shared.quant import QuantLinear
+    from seedfed.shared.model.quant import QuantLinear
 
     n = 0
     for m in model.modules():
@@ -118,10 +118,10 @@ def _parameter_count(model: Any) -> int:
 def _run(spec: Spec, model: Any) -> dict[str, Any]:
     import torch
     from seedfed.client.trainer import causal_lm_loss
-    from seedfed.shared.estimator import ZOConfig, spsa_step
-    from seedfed.shared.perturb import Perturber
-    from seedfed.shared.quant import plan_clip
-    from seedfed.shared.scopes import build_scope
+    from seedfed.shared.model.estimator import ZOConfig, spsa_step
+    from seedfed.shared.model.perturb import Perturber
+    from seedfed.shared.model.quant import plan_clip
+    from seedfed.shared.model.scopes import build_scope
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq), generator=gen)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from seedfed.client.data import Examples, dirichlet_partition, load_labelled, split, tokenize
-from seedfed.shared.models import ModelBundle
+from seedfed.shared.model.models import ModelBundle
 
 
 @dataclass(frozen=True)

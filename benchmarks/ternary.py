@@ -43,10 +43,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from seedfed.shared.estimator import ZOConfig, spsa_step  # noqa: E402
-from seedfed.shared.perturb import Perturber  # noqa: E402
-from seedfed.shared.scopes import build_scope  # noqa: E402
-from seedfed.shared.ternary import (  # noqa: E402
+from seedfed.shared.model.estimator import ZOConfig, spsa_step  # noqa: E402
+from seedfed.shared.model.perturb import Perturber  # noqa: E402
+from seedfed.shared.model.scopes import build_scope  # noqa: E402
+from seedfed.shared.model.ternary import (  # noqa: E402
     MaskConfig,
     TernaryScope,
     absmean_gamma,

@@ -146,11 +146,11 @@ import json, sys, resource
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 from seedfed.client.ternary import PackedTernary
 from seedfed.client.data import tokenize
-from seedfed.shared.wire import RoundPlan
-from seedfed.shared.ternary import bitlinear_modules
+from seedfed.shared.protocol.wire import RoundPlan
+from seedfed.shared.model.ternary import bitlinear_modules
 
 def vm(field):
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -87,7 +87,7 @@ def write_device_file(data: Path, base_meta: dict[str, Any], n: int, path: Path)
 
 
 def lm_spec(base: Path, variant: str, b: LMBudget, max_len: int) -> Any:
-    from seedfed.shared.task import Hyper, TaskSpec
+    from seedfed.shared.protocol.task import Hyper, TaskSpec
 
     return TaskSpec(model_path=str(base), model_kind="causal_lm", scope="ternary",
                     format="ternary", max_seq_len=max_len,

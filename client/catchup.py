@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from seedfed.client.sync import SyncResult
-from seedfed.shared.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.scopes import Scope, ScopedTensor
+from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.scopes import Scope, ScopedTensor
 from torch import nn
 
 if TYPE_CHECKING:
     from seedfed.client.device import Device
-    from seedfed.shared.coordinator_client import CoordinatorClient
+    from seedfed.shared.protocol.coordinator_client import CoordinatorClient
 
 Action = Literal["none", "replay", "download"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from seedfed.shared.errors import UserError
-from seedfed.shared.tokens import BATCH_KEYS, memo_for
+from seedfed.shared.model.tokens import BATCH_KEYS, memo_for
+from seedfed.shared.protocol.errors import UserError
 
 if TYPE_CHECKING:  # torch loads only where a batch becomes tensors (`tokenize`): a device on
     import torch  # an inference engine (seedfed.client.ort) reads, splits and samples without it

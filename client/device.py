@@ -37,22 +37,22 @@ from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalScores
 from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
 from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary, is_ternary
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.errors import (
-    ChecksumMismatchError,
-    LogEntryMismatchError,
-    ScopeError,
-    SeedfedError,
-)
-from seedfed.shared.models import (
+from seedfed.shared.model.models import (
     FeatureStore,
     ModelBundle,
     build_model,
     expect_texts,
     share_features,
 )
-from seedfed.shared.replay import LogEntry, checksum
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.protocol.errors import (
+    ChecksumMismatchError,
+    LogEntryMismatchError,
+    ScopeError,
+    SeedfedError,
+)
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from seedfed.client import data as data_mod
 from seedfed.client import tastes
 
 if TYPE_CHECKING:  # torch loads only to score a torch model: the ORT device shares the data
-    from seedfed.shared.models import ModelBundle
+    from seedfed.shared.model.models import ModelBundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -92,8 +92,8 @@ def _evaluate_ort(state_dir: Path, meta: dict[str, Any], data: str | Path, *,
     from seedfed.client.ort.device import read_state, score_state
     from seedfed.client.ort.http import STATE_FILE
     from seedfed.client.ort.runtime import OrtModel
-    from seedfed.shared.errors import ChecksumMismatchError
-    from seedfed.shared.npzo import np_checksum
+    from seedfed.shared.protocol.errors import ChecksumMismatchError
+    from seedfed.shared.protocol.npzo import np_checksum
 
     root = bundle or meta.get("bundle")
     if not root:

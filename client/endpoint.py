@@ -8,8 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from seedfed.shared.coordinator_client import CoordinatorHttpError, CoordinatorUnreachableError
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.protocol.coordinator_client import (
+    CoordinatorHttpError,
+    CoordinatorUnreachableError,
+)
+from seedfed.shared.protocol.wire import RoundPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """The device as a Flower ClientApp (Message API): catch up, train on private data, reply scalars.
 
-The messages are `seedfed.shared.records` (TrainIns / TrainRes, SyncIns / SyncRes), the
+The messages are `seedfed.shared.protocol.records` (TrainIns / TrainRes, SyncIns / SyncRes), the
 classes the ServerApp strategy (`seedfed.server.flower_strategy`) writes and reads. The device
 itself (model, catch-up, training, scoring) is `client.device.Device`; this module is its
 Flower transport and its state store in the node's Context.
@@ -41,9 +41,9 @@ from seedfed.client.device import Device, DeviceStateError, StoredState
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
-from seedfed.shared.models import FeatureStore
-from seedfed.shared.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.model.models import FeatureStore
+from seedfed.shared.protocol.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
+from seedfed.shared.protocol.task import TaskSpec
 
 #: Key of the device's persistent state in `Context.state`.
 STATE = "seedfed.device"

@@ -49,10 +49,10 @@ from seedfed.client.endpoint import check_endpoint, poll_rounds
 from seedfed.client.personal import PersonalConfig
 from seedfed.client.sync import SyncResult
 from seedfed.client.ternary import PackedTernary
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import DeviceMetrics, RoundPlan
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import DeviceMetrics, RoundPlan
 
 log = logging.getLogger(__name__)
 

@@ -47,12 +47,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
-from seedfed.shared.errors import ScopeError, SeedfedError
-from seedfed.shared.models import ModelBundle, classifier_module
+from seedfed.client import data as data_mod
+from seedfed.client.personal_gate import EvidenceGate, gated
+from seedfed.shared.model.models import ModelBundle, classifier_module
+from seedfed.shared.protocol.errors import ScopeError, SeedfedError
 from torch import nn
-
-from . import data as data_mod
-from .personal_gate import EvidenceGate, gated
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ numpy Generator, so `preference_examples(n, seed)` is a pure function.
 from __future__ import annotations
 
 import numpy as np
-
-from .data import Examples
+from seedfed.client.data import Examples
 
 #: Label descriptions for the prototype head (index = label).
 PREFERENCE_LABEL_TEXTS: tuple[str, ...] = (

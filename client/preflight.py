@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 from seedfed.client import data as data_mod
 from seedfed.client.device_data import DeviceData, load_device_examples
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.errors import UserError
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.protocol.errors import UserError
+from seedfed.shared.protocol.task import TaskSpec
 
 #: Data sources generated on the device (no file to check).
 BUILTIN_SOURCES = ("builtin", "tastes")

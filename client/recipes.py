@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from seedfed.shared.scope_options import NamedOptions, TernaryOptions
-from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
+from seedfed.shared.protocol.scope_options import NamedOptions, TernaryOptions
+from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
 
 #: Label descriptions of SST-2; "|" separates alternatives averaged into one prototype.
 SST2_LABEL_TEXTS: tuple[str, ...] = ("It was terrible.", "It was great.")
@@ -116,7 +116,7 @@ PREFERENCE_HYPER = Hyper(lr=1.0, eps=1e-3, steps=4, perturbations=4, batch_size=
 
 def preference_recipe(model_path: str | None = None) -> Recipe:
     """The generated personal-preference task (`seedfed.client.preference`), 10 devices."""
-    from .preference import PREFERENCE_LABEL_TEXTS
+    from seedfed.client.preference import PREFERENCE_LABEL_TEXTS
 
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=PREFERENCE_LABEL_TEXTS, scope=HEAD_SCOPE,
@@ -137,7 +137,7 @@ TASTES_DEVICES = 20
 
 def tastes_recipe(model_path: str | None = None) -> Recipe:
     """The per-device-taste task: the preference task's labels and head, 20 devices."""
-    from .preference import PREFERENCE_LABEL_TEXTS
+    from seedfed.client.preference import PREFERENCE_LABEL_TEXTS
 
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",
                     num_labels=2, label_texts=PREFERENCE_LABEL_TEXTS, scope=HEAD_SCOPE,
@@ -171,7 +171,7 @@ def ternary_recipe(model_path: str | None = None, sst2: bool = True) -> Recipe:
     `model_path`: a ternary base made by `seedfed ternarize` (default: the fp32 MiniLM,
     ternarized as the task converts it, without distillation). `sst2`: SST-2 labels, else
     the built-in preference task's."""
-    from .preference import PREFERENCE_LABEL_TEXTS
+    from seedfed.client.preference import PREFERENCE_LABEL_TEXTS
 
     labels = SST2_LABEL_TEXTS if sst2 else tuple(PREFERENCE_LABEL_TEXTS)
     spec = TaskSpec(model_path=model_path or default_model_path(), model_kind="seq_cls",

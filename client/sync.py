@@ -22,19 +22,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from seedfed.shared.errors import (
+from seedfed.shared.model.replay import LogEntry, checksum, replay
+from seedfed.shared.model.scopes import Scope
+from seedfed.shared.protocol.errors import (
     ChecksumMismatchError,
     LogEntryMismatchError,
     MissingTensorError,
     WireFormatError,
 )
-from seedfed.shared.messages import replay_bytes
-from seedfed.shared.replay import LogEntry, checksum, replay
-from seedfed.shared.scopes import Scope
+from seedfed.shared.protocol.messages import replay_bytes
 from torch import nn
 
 if TYPE_CHECKING:  # the ternary package loads only for ternary tasks
-    from seedfed.shared.ternary import MaskConfig, TernaryScope
+    from seedfed.shared.model.ternary import MaskConfig, TernaryScope
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: s
     to). The returned scope replaces `scope` (a snapshot
     rebuilds the layers, so a trainer bound to the old scope must be rebuilt too).
     """
-    from seedfed.shared.ternary import crosses_epoch, load_published_ternary
+    from seedfed.shared.model.ternary import crosses_epoch, load_published_ternary
 
     if scope is not None and version is not None and version <= target and \
             scope.epoch == config.epoch_of(version) and \

@@ -28,9 +28,8 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-
-from .data import Examples
-from .preference import OPENERS, TIMES
+from seedfed.client.data import Examples
+from seedfed.client.preference import OPENERS, TIMES
 
 #: The data source name of the per-device taste task.
 TASTES = "tastes"

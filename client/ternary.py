@@ -36,17 +36,17 @@ from pathlib import Path
 import torch
 from seedfed.client.sync import SyncResult, catch_up_ternary, load_state, read_snapshot
 from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, classification_loss
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.models import ModelBundle, load_tokenizer, set_pad_token_id
-from seedfed.shared.replay import LogEntry
-from seedfed.shared.scope_options import TernaryOptions
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.ternary import (
+from seedfed.shared.model.models import ModelBundle, load_tokenizer, set_pad_token_id
+from seedfed.shared.model.replay import LogEntry
+from seedfed.shared.model.ternary import (
     MaskConfig,
     TernaryScope,
     build_packed_model,
     load_published_ternary,
 )
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.scope_options import TernaryOptions
+from seedfed.shared.protocol.task import TaskSpec
 
 #: The `?format=` of the snapshot a ternary device downloads (the task's published format).
 SNAPSHOT_FORMAT = "ternary"

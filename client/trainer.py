@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from seedfed.shared.estimator import StepResult, ZOConfig, spsa_step
-from seedfed.shared.models import prime_features
-from seedfed.shared.perturb import Perturber
-from seedfed.shared.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
-from seedfed.shared.scopes import Scope
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.estimator import StepResult, ZOConfig, spsa_step
+from seedfed.shared.model.models import prime_features
+from seedfed.shared.model.perturb import Perturber
+from seedfed.shared.model.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
+from seedfed.shared.model.scopes import Scope
+from seedfed.shared.protocol.wire import RoundPlan
 from torch import nn
 
 Batch = Mapping[str, torch.Tensor]
@@ -139,7 +139,7 @@ class _ScopeStash:
         self._dir.cleanup()
 
 
-#: How a trainer runs a step's probes (see `seedfed.shared.probes`).
+#: How a trainer runs a step's probes (see `seedfed.shared.model.probes`).
 PROBE_MODES: tuple[str, ...] = ("auto", "batched", "shared", "sequential")
 
 

@@ -48,7 +48,7 @@ log "x86 reference: $(cat "$W/ref/record.json")"
 t0=$(date +%s)
 # No ca-certificates package: its configure step (one openssl per CA under emulation) is the
 # slowest part of the root, and the host's bundle replaces it anyway. gcc builds the stream
-# kernel (shared/_zkernel.c), as install.sh does on a Pi.
+# kernel (shared/model/_zkernel.c), as install.sh does on a Pi.
 # ARM_ROOT_CACHE=FILE.tar (optional, for reruns by hand): reuse a root saved by an earlier run.
 if [ -n "${ARM_ROOT_CACHE:-}" ] && [ -s "$ARM_ROOT_CACHE" ]; then
   mkdir -p "$R" && tar -C "$R" -xf "$ARM_ROOT_CACHE"

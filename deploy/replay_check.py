@@ -25,7 +25,7 @@ import numpy as np
 
 
 def _spec(model: Path, scope: str) -> Any:
-    from seedfed.shared.task import TaskSpec
+    from seedfed.shared.protocol.task import TaskSpec
 
     return TaskSpec(model_path=str(model), label_texts=("bad", "good"), scope=scope,
                     max_seq_len=16)
@@ -33,8 +33,8 @@ def _spec(model: Path, scope: str) -> Any:
 
 def record(model: Path, out: Path, entries: int, seeds: int, scope: str) -> dict[str, Any]:
     from seedfed.client.sync import state_bytes
-    from seedfed.shared.models import build_model
-    from seedfed.shared.replay import LogEntry, apply_seeds, checksum
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
 
     spec = _spec(model, scope)
     bundle = build_model(spec, initialize=True)
@@ -57,9 +57,9 @@ def record(model: Path, out: Path, entries: int, seeds: int, scope: str) -> dict
 
 def verify(model: Path, recorded: Path) -> dict[str, Any]:
     from seedfed.client.sync import load_state
-    from seedfed.shared.models import build_model
-    from seedfed.shared.replay import LogEntry, checksum, replay
-    from seedfed.shared.task import TaskSpec
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.replay import LogEntry, checksum, replay
+    from seedfed.shared.protocol.task import TaskSpec
 
     data = json.loads(recorded.read_text())
     spec = TaskSpec.from_dict({**data["spec"], "model_path": str(model)})
@@ -77,7 +77,7 @@ def verify(model: Path, recorded: Path) -> dict[str, Any]:
 def _stream_path() -> str:
     """Which implementation of the stream ran: the C kernel or the numpy reference."""
     try:
-        from seedfed.shared import zkernel
+        from seedfed.shared.model import zkernel
     except ImportError:  # a revision without the kernel
         return "numpy"
     return "kernel" if zkernel.KERNEL is not None else "numpy"

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from seedfed.cli_errors import DEBUG_ENV, OptionError, UsageError, make_app, set_debug
-from seedfed.shared.errors import UserError
+from seedfed.shared.protocol.errors import UserError
 
 app = make_app(name="seedfed", no_args_is_help=True, add_completion=False,
                help="Federated zeroth-order fine-tuning with seed replay.")
@@ -45,11 +45,11 @@ def protocol_vectors(
                                     "protocol.md section 10), not only the stream's first blocks"),
 ) -> None:
     """Print the golden vectors of the perturbation stream (or, with --all, the kit) as JSON."""
-    from seedfed.shared.vectors import check_kat, compute_vectors
+    from seedfed.shared.protocol.vectors import check_kat, compute_vectors
 
     check_kat()
     if everything:
-        from seedfed.shared.conformance import all_vectors
+        from seedfed.shared.model.conformance import all_vectors
 
         typer.echo(json.dumps(all_vectors(), ensure_ascii=False))
         return
@@ -257,7 +257,7 @@ def coordinator(
         raise OptionError("--config", str(e)) from e
     except ValueError as e:  # a TOML file that does not parse
         raise OptionError("--config", f"{config} is not valid TOML ({e})") from None
-    from seedfed.shared.redact import remember
+    from seedfed.shared.protocol.redact import remember
 
     remember(settings.token)  # masked in every log line and message from here on
     serve(settings)
@@ -371,7 +371,7 @@ def check_database_url(url: str) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    from seedfed.shared.redact import redact_url
+    from seedfed.shared.protocol.redact import redact_url
 
     try:
         make_url(url)
@@ -463,7 +463,7 @@ def _make_device(url: str, task: str, data: str, join_token: str | None, state_d
                  reset_personal: bool, share: tuple[int, int, float, int, float]) -> Any:
     """The REST device the options describe (torch or ORT); option errors exit 2."""
     from seedfed.client.device_data import DeviceData
-    from seedfed.shared.redact import remember
+    from seedfed.shared.protocol.redact import remember
 
     remember(join_token)
     partition_id, num_partitions, alpha, data_seed, poll = share
@@ -606,7 +606,7 @@ def _scored_version(snapshot: str | None) -> str:
 def _evaluate_device(state_dir: str, data: str | None, model: str | None,
                      limit: int | None) -> None:
     from seedfed.client.device_eval import evaluate_device
-    from seedfed.shared.errors import SeedfedError
+    from seedfed.shared.protocol.errors import SeedfedError
 
     if data is None:
         raise OptionError("--device", "needs --data FILE (the device's labelled examples)")

@@ -29,9 +29,9 @@ import click
 import typer
 from typer.core import TyperArgument, TyperGroup
 
-from seedfed.shared.coordinator_client import CoordinatorHttpError
-from seedfed.shared.errors import UserError
-from seedfed.shared.redact import redact, redact_url
+from seedfed.shared.protocol.coordinator_client import CoordinatorHttpError
+from seedfed.shared.protocol.errors import UserError
+from seedfed.shared.protocol.redact import redact, redact_url
 
 DEBUG_ENV = "SEEDFED_DEBUG"
 #: Exit status of a wrong command line (click's), of any other failure, of an interrupt.

@@ -32,7 +32,7 @@ import torch
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.evaluate import accuracy
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.models import (
+from seedfed.shared.model.models import (
     FEATURE_GROUP,
     FeatureStore,
     ModelBundle,
@@ -41,10 +41,10 @@ from seedfed.shared.models import (
     pooled_classifier,
     share_features,
 )
-from seedfed.shared.replay import apply_seeds, checksum
-from seedfed.shared.scope_options import TernaryOptions
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.replay import apply_seeds, checksum
+from seedfed.shared.protocol.scope_options import TernaryOptions
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan
 
 #: The Simulation Engine's own costs, which no in-process timing sees: starting Ray (its
 #: processes and actors; ~5 s for `ray.init` alone on 2 cores), and moving one message to an
@@ -264,7 +264,7 @@ def _coordinator_round_s(spec: TaskSpec, per_round: int, rounds: int = 3) -> flo
 
     from seedfed.server.coordinator import Coordinator
     from seedfed.server.settings import Settings
-    from seedfed.shared.wire import Upload
+    from seedfed.shared.protocol.wire import Upload
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="seedfed-estimate-") as tmp:
@@ -369,7 +369,7 @@ def _device_at(spec: TaskSpec, coordinator: ModelBundle, version: int,
     from safetensors.torch import save
 
     from seedfed.client.ternary import PackedTernary
-    from seedfed.shared.ternary import publish_ternary
+    from seedfed.shared.model.ternary import publish_ternary
 
     device = PackedTernary(spec)
     snapshot = publish_ternary(coordinator.scope.read(), coordinator.scope)

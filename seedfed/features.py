@@ -220,8 +220,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
-    from seedfed.shared.models import build_model, pooled_classifier, share_features
-    from seedfed.shared.task import TaskSpec
+    from seedfed.shared.model.models import build_model, pooled_classifier, share_features
+    from seedfed.shared.protocol.task import TaskSpec
 
     torch.set_num_threads(1)  # the canonical context encodes on one thread anyway
     spec = TaskSpec.from_dict(spec_dict)
@@ -236,7 +236,7 @@ def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
 
 def _encode(texts: Sequence[str]) -> int:
     """One chunk of sentences, encoded into the store by this worker's model."""
-    from seedfed.shared.models import expect_texts
+    from seedfed.shared.model.models import expect_texts
 
     bundle = _WORKER["bundle"]
     if bundle is None:

@@ -30,14 +30,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from seedfed.admin_client import AdminClient
 from seedfed.cli_errors import OptionError, UsageError, make_app
-from seedfed.shared.admin_client import AdminClient
-from seedfed.shared.coordinator_client import CoordinatorHttpError
-from seedfed.shared.errors import UserError
-from seedfed.shared.messages import Routes, TaskStatus
-from seedfed.shared.redact import remember
-from seedfed.shared.scope_options import options_for
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.coordinator_client import CoordinatorHttpError
+from seedfed.shared.protocol.errors import UserError
+from seedfed.shared.protocol.messages import Routes, TaskStatus
+from seedfed.shared.protocol.redact import remember
+from seedfed.shared.protocol.scope_options import options_for
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 ADMIN_TOKEN_ENV = "SEEDFED_ADMIN_TOKEN"
 URL_ENV = "SEEDFED_URL"

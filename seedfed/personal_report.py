@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from seedfed.shared.fleet_stats import worst_decile
+from seedfed.shared.protocol.fleet_stats import worst_decile
 
 
 @dataclass

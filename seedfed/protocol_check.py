@@ -26,16 +26,16 @@ import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from seedfed.shared.coordinator_client import (
+from seedfed.shared.model.replay import apply_seeds, checksum, state_checksum
+from seedfed.shared.model.scopes import Scope, ScopedTensor
+from seedfed.shared.protocol.coordinator_client import (
     CoordinatorClient,
     CoordinatorHttpError,
     CoordinatorUnreachableError,
 )
-from seedfed.shared.messages import Routes
-from seedfed.shared.redact import redact_url, remember
-from seedfed.shared.replay import apply_seeds, checksum, state_checksum
-from seedfed.shared.scopes import Scope, ScopedTensor
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.messages import Routes
+from seedfed.shared.protocol.redact import redact_url, remember
+from seedfed.shared.protocol.task import TaskSpec
 
 #: The paths (parameters written `{}`) a device calls (docs/protocol.md section 8).
 _EXAMPLE = Routes("{}")

@@ -37,8 +37,8 @@ from typing import Any
 
 from seedfed.personal_report import DeviceRow, fleet_accuracy
 from seedfed.report import Report, RoundRow
-from seedfed.shared.scope_options import options_for
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.scope_options import options_for
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Evaluator:
 
     def __init__(self, spec: TaskSpec, examples: Any, features: Any = None) -> None:
         """`features`: the run's shared feature store (None: the evaluator's own cache)."""
-        from seedfed.shared.models import build_model, expect_texts, share_features
+        from seedfed.shared.model.models import build_model, expect_texts, share_features
 
         self.examples = examples
         self.packed: Any = None

@@ -114,7 +114,7 @@ def _frozen(model: nn.Module) -> nn.Module:
 
 
 def _student(encoder: nn.Module, act_bits: int | None) -> nn.Module:
-    from seedfed.shared.ternary import bitlinear_modules, convert_to_bitlinear
+    from seedfed.shared.model.ternary import bitlinear_modules, convert_to_bitlinear
 
     student = copy.deepcopy(encoder)
     convert_to_bitlinear(student, act_bits=act_bits)
@@ -126,7 +126,7 @@ def _student(encoder: nn.Module, act_bits: int | None) -> nn.Module:
 
 
 def _refresh_gammas(model: nn.Module) -> None:
-    from seedfed.shared.ternary import bitlinear_modules
+    from seedfed.shared.model.ternary import bitlinear_modules
 
     with torch.no_grad():
         for _, m in bitlinear_modules(model):
@@ -246,7 +246,7 @@ def _probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
 def score(encoder: nn.Module, tokenizer: Any, normalize: bool, label_texts: tuple[str, ...],
           probe: Any, held: Any, max_len: int) -> Scores:
     """Zero-shot (prototype head) and linear-probe accuracy of a sentence encoder."""
-    from seedfed.shared.models import MeanPoolClassifier, init_prototype_head
+    from seedfed.shared.model.models import MeanPoolClassifier, init_prototype_head
 
     model = MeanPoolClassifier(encoder, len(label_texts), normalize).eval()
     init_prototype_head(model, tokenizer, label_texts)
@@ -265,7 +265,7 @@ def score(encoder: nn.Module, tokenizer: Any, normalize: bool, label_texts: tupl
 def latent_linears(model: nn.Module) -> nn.Module:
     """A copy of a BitLinear model with every BitLinear back as nn.Linear holding its latents
     (what `save_pretrained` writes and what a ternary task converts again)."""
-    from seedfed.shared.ternary import bitlinear_modules
+    from seedfed.shared.model.ternary import bitlinear_modules
 
     out = copy.deepcopy(model)
     for name, m in bitlinear_modules(out):
@@ -304,8 +304,8 @@ def ternarize(model: Path, data: Path, out: Path, config: TernarizeConfig,
     training split's sentences (labels dropped) are distilled on; the probe trains on its
     labels and both scores are taken on its validation split."""
     from seedfed.client.device_data import dataset_splits
-    from seedfed.shared.models import load_base, sentence_pooling
-    from seedfed.shared.task import TaskSpec
+    from seedfed.shared.model.models import load_base, sentence_pooling
+    from seedfed.shared.protocol.task import TaskSpec
 
     pooling = sentence_pooling(model)
     if pooling is None:

@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from seedfed.shared.aggregate import (
+from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.scopes import Scope
+from seedfed.shared.protocol.aggregate import (
     AggregationConfig,
     build_entry,
     dp_noise_std,
     round_weights,
 )
-from seedfed.shared.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.scopes import Scope
-from seedfed.shared.wire import MAX_SEED
+from seedfed.shared.protocol.wire import MAX_SEED
 
 SEEDS_STREAM = 1
 NOISE_STREAM = 2

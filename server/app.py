@@ -22,19 +22,18 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from seedfed.shared.errors import SeedfedError
+from seedfed.server import errors as E
+from seedfed.server import service
+from seedfed.server.api.ingest import UploadFastPath
+from seedfed.server.api.openapi import error_response, validation_issues
+from seedfed.server.api.openapi import install as install_openapi
+from seedfed.server.api.routes import devices, join_tokens, log, ops, rounds, tasks
+from seedfed.server.runtime import Runtime, database_unavailable
+from seedfed.server.settings import Settings
+from seedfed.shared.protocol.errors import SeedfedError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from . import errors as E
-from . import service
-from .api.ingest import UploadFastPath
-from .api.openapi import error_response, validation_issues
-from .api.openapi import install as install_openapi
-from .api.routes import devices, join_tokens, log, ops, rounds, tasks
-from .runtime import Runtime, database_unavailable
-from .settings import Settings
 
 logger = logging.getLogger("seedfed.server")
 

@@ -17,9 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from seedfed.shared.wire import RoundPlan
-
-from .errors import PermissionDeniedError
+from seedfed.server.errors import PermissionDeniedError
+from seedfed.shared.protocol.wire import RoundPlan
 
 
 def at_quorum(uploads: int, quorum: int) -> bool:

@@ -29,10 +29,9 @@ import asyncio
 from typing import Any
 
 import h11
+from seedfed.server.errors import RequestTimeoutError, error_payload
 from starlette.types import Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from .errors import RequestTimeoutError, error_payload
 
 #: The key of a request's connection in its ASGI scope's "extensions".
 SCOPE_KEY = "seedfed.connection"

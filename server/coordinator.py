@@ -13,7 +13,7 @@ Rounds close when this object is told to (`close_round`) or on `tick()` (quorum 
 reached); the HTTP app runs `tick()` on a timer, with the automatic schedule. Tasks created
 here default to `schedule="manual"`: this object's callers (simulate, the Flower ServerApp,
 benchmarks) open every round themselves. Errors are the typed errors of
-`seedfed.server.errors` and `seedfed.shared.errors`.
+`seedfed.server.errors` and `seedfed.shared.protocol.errors`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import TracebackType
 
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload, pack_binary
-
-from . import service
-from .orm import DeviceMetricsRow, Schedule
-from .runtime import Runtime
-from .schemas import (
+from seedfed.server import service
+from seedfed.server.orm import DeviceMetricsRow, Schedule
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import (
     AbandonedRound,
     CatchupPlan,
     MetricsReceipt,
@@ -36,7 +33,9 @@ from .schemas import (
     TaskStatus,
     UploadReceipt,
 )
-from .settings import Settings
+from seedfed.server.settings import Settings
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload, pack_binary
 
 
 class Coordinator:

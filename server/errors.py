@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from seedfed.shared.errors import NonFiniteScalarError, SeedfedError, ShapeError, WireFormatError
+from seedfed.shared.protocol.errors import (
+    NonFiniteScalarError,
+    SeedfedError,
+    ShapeError,
+    WireFormatError,
+)
 
 
 class CoordinatorError(SeedfedError):

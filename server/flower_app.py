@@ -28,14 +28,13 @@ from typing import Any
 import httpx
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.messages import CatchupPlan, TaskStatus
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
-
-from .errors import CoordinatorError
-from .flower_strategy import CoordinatorPort, FleetConfig, SeedfedStrategy
+from seedfed.server.errors import CoordinatorError
+from seedfed.server.flower_strategy import CoordinatorPort, FleetConfig, SeedfedStrategy
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.messages import CatchupPlan, TaskStatus
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +135,8 @@ def _open_coordinator(cfg: dict[str, Any]) -> tuple[CoordinatorPort, Any]:
     if not cfg.get("db-url"):
         raise CoordinatorError("set coordinator-url (REST) or db-url and store-dir (in "
                                "process) in the run config")
-    from .coordinator import Coordinator
-    from .settings import Settings
+    from seedfed.server.coordinator import Coordinator
+    from seedfed.server.settings import Settings
 
     coord = Coordinator.open(Settings(database_url=str(cfg["db-url"]),
                                       store_dir=Path(str(cfg["store-dir"]))))

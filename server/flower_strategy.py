@@ -11,7 +11,7 @@ it hands to the coordinator to store for the round (`record_metrics`, the servic
 route uses too).
 
 The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
-version it confirmed. The messages are `seedfed.shared.records`, the classes the ClientApp reads
+version it confirmed. The messages are `seedfed.shared.protocol.records`, the classes the ClientApp reads
 and writes too.
 """
 
@@ -29,11 +29,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-from seedfed.shared.errors import SeedfedError, UserError
-from seedfed.shared.messages import CatchupPlan, TaskStatus
-from seedfed.shared.records import FP32, CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
+from seedfed.shared.protocol.errors import SeedfedError, UserError
+from seedfed.shared.protocol.messages import CatchupPlan, TaskStatus
+from seedfed.shared.protocol.records import FP32, CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ state (canonical scope name -> flat float32 tensor) and the live scope (for form
 the model, e.g. to quantize whole layers) to the tensors written to the snapshot file.
 
 fp32, fp16 and bf16 live here. The int8/int4 group-wise and packed-ternary formats are built in
-`seedfed.shared.quant.publish` / `seedfed.shared.ternary.snapshot`, which expose
+`seedfed.shared.model.quant.publish` / `seedfed.shared.model.ternary.snapshot`, which expose
 `publish_<format>(state, scope)`; `publisher` finds them there lazily (so the coordinator does
 not import them until a task uses them). Any other format plugs in with
 `register_format("name")(fn)`, with no change to the coordinator.
@@ -18,9 +18,8 @@ import importlib
 from collections.abc import Callable, Mapping
 
 import torch
-from seedfed.shared.scopes import Scope
-
-from .errors import InvalidTaskError
+from seedfed.server.errors import InvalidTaskError
+from seedfed.shared.model.scopes import Scope
 
 State = Mapping[str, torch.Tensor]
 Publisher = Callable[[State, Scope | None], dict[str, torch.Tensor]]
@@ -28,9 +27,9 @@ Publisher = Callable[[State, Scope | None], dict[str, torch.Tensor]]
 _PUBLISHERS: dict[str, Publisher] = {}
 #: Where a format defined outside the coordinator is looked for (module, function name).
 _LAZY: dict[str, tuple[str, str]] = {
-    "int8": ("seedfed.shared.quant.publish", "publish_int8"),
-    "int4": ("seedfed.shared.quant.publish", "publish_int4"),
-    "ternary": ("seedfed.shared.ternary.snapshot", "publish_ternary"),
+    "int8": ("seedfed.shared.model.quant.publish", "publish_int8"),
+    "int4": ("seedfed.shared.model.quant.publish", "publish_int4"),
+    "ternary": ("seedfed.shared.model.ternary.snapshot", "publish_ternary"),
 }
 
 

@@ -13,16 +13,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from seedfed.shared.models import ModelBundle
+from seedfed.server.caches import CloseFailure, CloseFailures, OpenRounds, TokenCache
+from seedfed.server.db import make_engine, session_factory, upgrade
+from seedfed.server.errors import DatabaseUnavailableError
+from seedfed.server.settings import Settings
+from seedfed.server.store import ModelStore
+from seedfed.shared.model.models import ModelBundle
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-
-from .caches import CloseFailure, CloseFailures, OpenRounds, TokenCache
-from .db import make_engine, session_factory, upgrade
-from .errors import DatabaseUnavailableError
-from .settings import Settings
-from .store import ModelStore
 
 
 def database_unavailable(e: DBAPIError) -> DatabaseUnavailableError:

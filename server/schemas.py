@@ -1,5 +1,5 @@
 """API schemas of the coordinator (requests and responses beyond the shared wire schemas;
-`TaskStatus` and `CatchupPlan`, which clients read, live in `seedfed.shared.messages`)."""
+`TaskStatus` and `CatchupPlan`, which clients read, live in `seedfed.shared.protocol.messages`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from seedfed.shared.messages import CatchupPlan as CatchupPlan  # the schemas devices read too
-from seedfed.shared.messages import TaskStatus as TaskStatus
-from seedfed.shared.wire import MAX_INT32
+from seedfed.shared.protocol.messages import (
+    CatchupPlan as CatchupPlan,  # the schemas devices read too
+)
+from seedfed.shared.protocol.messages import TaskStatus as TaskStatus
+from seedfed.shared.protocol.wire import MAX_INT32
 
 #: A round's deadline is at most a year after it opens.
 MAX_ROUND_TIMEOUT_S = 365 * 24 * 3600.0
@@ -75,7 +77,7 @@ class _Request(_Model):
 
 
 class TaskCreate(_Request):
-    """POST /v1/tasks. `spec` is a `seedfed.shared.task.TaskSpec` as a dict (`to_dict`)."""
+    """POST /v1/tasks. `spec` is a `seedfed.shared.protocol.task.TaskSpec` as a dict (`to_dict`)."""
 
     spec: dict[str, Any]
     name: str | None = Field(default=None, max_length=200,

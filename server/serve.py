@@ -12,11 +12,10 @@ import errno
 import socket
 import sys
 
-from seedfed.shared.errors import UserError
-from seedfed.shared.redact import redact, redact_url
-
-from .runtime import Runtime
-from .settings import Settings
+from seedfed.server.runtime import Runtime
+from seedfed.server.settings import Settings
+from seedfed.shared.protocol.errors import UserError
+from seedfed.shared.protocol.redact import redact, redact_url
 
 DB_HINT = ("give --db (or SEEDFED_DATABASE_URL) a reachable database: e.g. "
            "sqlite:///seedfed.db or postgresql+psycopg://user@host:5432/db")
@@ -67,9 +66,8 @@ def open_runtime(settings: Settings) -> Runtime:
 
 def serve(settings: Settings, *, log_level: str = "info") -> None:
     import uvicorn
-
-    from .app import create_app
-    from .connections import http_protocol
+    from seedfed.server.app import create_app
+    from seedfed.server.connections import http_protocol
 
     for option, path in (("--tls-cert", settings.tls_certfile),
                          ("--tls-key", settings.tls_keyfile)):

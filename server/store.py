@@ -44,8 +44,7 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from .errors import StoreError, StoreUnavailableError
+from seedfed.server.errors import StoreError, StoreUnavailableError
 
 CHUNK = 1 << 20
 #: A version file or the temporary file of one: `v00000012.<kind>.safetensors[.<pid>.tmp]`.

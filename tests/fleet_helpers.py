@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 POSITIVE = ("good", "great", "lovely", "fine", "happy", "sunny")
 NEGATIVE = ("bad", "awful", "sad", "poor", "dull", "grim")

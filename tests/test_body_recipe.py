@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from seedfed.client import recipes
 from seedfed.client.data import Examples
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app
@@ -59,7 +59,7 @@ def test_body_scope_on_a_task_without_a_body_recipe_is_refused(tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fmt", ["int8"])  # fp32's scope: tests/shared/test_body_scope.py
+@pytest.mark.parametrize("fmt", ["int8"])  # fp32's scope: tests/shared/model/test_body_scope.py
 def test_body_recipe_runs_end_to_end_and_devices_match_the_coordinator(
         tmp_path: Path, fmt: str) -> None:
     data = write_sentiment_tsv(tmp_path / "d.tsv", n=200)

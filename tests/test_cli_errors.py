@@ -12,9 +12,9 @@ import pytest
 import typer
 import typer.main
 from pydantic import BaseModel, field_validator
-from seedfed.shared.coordinator_client import CoordinatorHttpError
-from seedfed.shared.errors import UserError
-from seedfed.shared.redact import redact, remember
+from seedfed.shared.protocol.coordinator_client import CoordinatorHttpError
+from seedfed.shared.protocol.errors import UserError
+from seedfed.shared.protocol.redact import redact, remember
 from typer.testing import CliRunner
 
 from seedfed.cli import app

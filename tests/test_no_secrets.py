@@ -19,10 +19,10 @@ from click.testing import Result
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import META_FILE, DeviceConfig, HttpDevice
 from seedfed.server.app import create_app
-from seedfed.shared.admin_client import AdminClient
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 from typer.testing import CliRunner
 
+from seedfed.admin_client import AdminClient
 from seedfed.cli import app
 from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
 from tests.live_coordinator import ADMIN_TOKEN, live_settings, serve

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 from seedfed.server.app import create_app
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app

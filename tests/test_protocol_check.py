@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from seedfed.server.app import create_app
-from seedfed.shared.admin_client import AdminClient
-from seedfed.shared.conformance import all_vectors
-from seedfed.shared.coordinator_client import CoordinatorClient
+from seedfed.shared.model.conformance import all_vectors
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient
 from typer.testing import CliRunner
 
+from seedfed.admin_client import AdminClient
 from seedfed.cli import app
 from seedfed.operator_cli import CreateOptions, build_spec
 from tests.fleet_helpers import make_tiny_bert

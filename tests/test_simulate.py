@@ -15,7 +15,7 @@ import pytest
 from seedfed.client.evaluate import evaluate
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app

@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from seedfed.client.recipes import TERNARY_HYPER, ternary_recipe
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 from seedfed.client.data import tokenize
-from seedfed.shared.models import MeanPoolClassifier, build_model
-from seedfed.shared.ternary import bitlinear_modules
+from seedfed.shared.model.models import MeanPoolClassifier, build_model
+from seedfed.shared.model.ternary import bitlinear_modules
 from typer.testing import CliRunner
 
 from seedfed import ternarize as tz

@@ -20,9 +20,9 @@ from seedfed.client.data import tokenize
 from seedfed.client.ternary import PackedTernary
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.models import build_model
-from seedfed.shared.task import Hyper, TaskSpec
-from seedfed.shared.ternary import bitlinear_modules
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.ternary import bitlinear_modules
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 from typer.testing import CliRunner
 
 from seedfed import ternarize as tz

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.task import TaskSpec
 
 MANIFEST = "manifest.json"
 ENCODER = "encoder.onnx"

@@ -26,19 +26,18 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 from seedfed.client import data as data_mod
 from seedfed.client.device_data import DeviceData
-from seedfed.shared import npzo
-from seedfed.shared.errors import (
+from seedfed.client.ort.bundle import BundleError
+from seedfed.client.ort.runtime import OrtModel, example_losses, mean_losses
+from seedfed.shared.protocol import npzo
+from seedfed.shared.protocol.errors import (
     ChecksumMismatchError,
     LogEntryMismatchError,
     SeedfedError,
     WireFormatError,
 )
-from seedfed.shared.philox import add_dense
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
-
-from .bundle import BundleError
-from .runtime import OrtModel, example_losses, mean_losses
+from seedfed.shared.protocol.philox import add_dense
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan
 
 #: A snapshot download: () -> (file bytes, the state checksum the coordinator published).
 Fetch = Callable[[], tuple[bytes, str]]

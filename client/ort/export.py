@@ -24,11 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from seedfed.shared.models import MeanPoolClassifier, _mean_pool, build_model
-from seedfed.shared.task import TaskSpec
+from seedfed.client.ort.bundle import (
+    ENCODER,
+    TOKENIZER,
+    TOP,
+    BundleError,
+    Manifest,
+    TensorInfo,
+    spec_fingerprint,
+)
+from seedfed.shared.model.models import MeanPoolClassifier, _mean_pool, build_model
+from seedfed.shared.protocol.task import TaskSpec
 from torch import nn
-
-from .bundle import ENCODER, TOKENIZER, TOP, BundleError, Manifest, TensorInfo, spec_fingerprint
 
 #: ONNX opset of both graphs (ONNX Runtime 1.17+ runs it).
 OPSET = 18

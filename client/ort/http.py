@@ -24,14 +24,13 @@ from seedfed.client import data as data_mod
 from seedfed.client import preflight
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.endpoint import check_endpoint, poll_rounds
-from seedfed.shared.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.npzo import LogEntry
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
-
-from .device import OrtDevice, OrtSync
-from .runtime import OrtModel
+from seedfed.client.ort.device import OrtDevice, OrtSync
+from seedfed.client.ort.runtime import OrtModel
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.npzo import LogEntry
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan
 
 log = logging.getLogger(__name__)
 

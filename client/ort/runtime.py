@@ -20,9 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from seedfed.client.ort.bundle import ENCODER, TOKENIZER, TOP, Manifest
 from tokenizers import Tokenizer
-
-from .bundle import ENCODER, TOKENIZER, TOP, Manifest
 
 #: Upper bound of the per-sentence feature cache (FIFO eviction beyond it), as the torch
 #: device's `FEATURE_CACHE_BYTES`.

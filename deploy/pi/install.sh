@@ -26,7 +26,7 @@ SRC=$(cd "$(dirname "$0")/../.." && pwd)
 [ "$(uname -m)" = aarch64 ] || echo "warning: $(uname -m), not aarch64 (32-bit Pi OS is not supported)" >&2
 id "$USER_NAME" >/dev/null 2>&1 || { echo "no user $USER_NAME (--user NAME)" >&2; exit 2; }
 
-# gcc builds the stream kernel (shared/_zkernel.c); without it the numpy path gives the same bits
+# gcc builds the stream kernel (shared/model/_zkernel.c); without it the numpy path gives the same bits
 apt-get install -y --no-install-recommends python3 python3-venv ca-certificates gcc libc6-dev
 python3 -m venv "$PREFIX"
 # Replay does not depend on the torch release or build (z is defined by integers).

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from seedfed.shared.task import TaskSpec
-    from seedfed.shared.wire import RoundPlan
+    from seedfed.shared.protocol.task import TaskSpec
+    from seedfed.shared.protocol.wire import RoundPlan
 
 PG_URL = os.environ.get("SEEDFED_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 #: What a coordinator subprocess runs with on top of the caller's environment.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .core_setup import shape_named
+from seedfed.bench.core_setup import shape_named
 
 MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 MEMORY_PARALLEL = 2

@@ -21,7 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core_setup import build_model, make_batch, peak_rss_mb, reset_peak, rss_mb, shape_named
+from seedfed.bench.core_setup import (
+    build_model,
+    make_batch,
+    peak_rss_mb,
+    reset_peak,
+    rss_mb,
+    shape_named,
+)
 
 MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 #: The work is repeated so an optimizer's lazily created state and a second step count too.
@@ -33,9 +40,9 @@ FUSED_SEEDS = 16
 
 def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
                 mode: str) -> Callable[[int], None]:
-    from seedfed.shared.estimator import ZOConfig, spsa_step
-    from seedfed.shared.perturb import Perturber
-    from seedfed.shared.scopes import build_scope
+    from seedfed.shared.model.estimator import ZOConfig, spsa_step
+    from seedfed.shared.model.perturb import Perturber
+    from seedfed.shared.model.scopes import build_scope
 
     scope = build_scope("full", model)
     config = ZOConfig(lr=LR, eps=EPS, perturbations=1, mode=mode)
@@ -126,7 +133,7 @@ def measure_replay(numel: int, n_seeds: int, repeats: int) -> dict[str, object]:
     seed), MeZO's torch regeneration, replay one seed per pass, and replay of FUSED_SEEDS
     seeds fused into one pass (the C kernel; `numpy_fused` is the same call on the numpy
     path, the fallback)."""
-    from seedfed.shared import stream
+    from seedfed.shared.model import stream
 
     gen = np.random.default_rng(0)
     seeds = [int(s) for s in gen.integers(0, 2**63, size=max(n_seeds, FUSED_SEEDS))]

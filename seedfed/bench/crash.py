@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from . import coordinator_process
-from .coordinator_process import tiny_model
+from seedfed.bench import coordinator_process
+from seedfed.bench.coordinator_process import tiny_model
 
 ADMIN = "crash-admin-token-" + "x" * 16
 
@@ -83,7 +83,7 @@ def _worker(c: Campaign, lane: int, lanes: int) -> None:
     """Devices lane, lane + lanes, ... upload once per round, retrying through crashes."""
     import httpx
 
-    from seedfed.shared.wire import RoundPlan, Upload
+    from seedfed.shared.protocol.wire import RoundPlan, Upload
 
     admin = {"Authorization": f"Bearer {ADMIN}"}
     mine = list(range(lane, len(c.tokens), lanes))
@@ -187,9 +187,9 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
     from seedfed.server.orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow
     from seedfed.server.runtime import Runtime
     from seedfed.server.settings import Settings
-    from seedfed.shared.models import build_model
-    from seedfed.shared.replay import apply_seeds, checksum
-    from seedfed.shared.wire import RoundPlan
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.replay import apply_seeds, checksum
+    from seedfed.shared.protocol.wire import RoundPlan
 
     rt = Runtime(Settings(database_url=url, store_dir=store, admin_token=ADMIN))
     problems: list[str] = []
@@ -286,7 +286,7 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
              budget_s: float | None = None, log: bool = True) -> dict[str, Any]:
     """One backend: enroll, run under load, SIGKILL `kills` times (or as many as fit in
     `budget_s` seconds), verify."""
-    from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
+    from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
 
     rnd = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp, \

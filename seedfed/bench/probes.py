@@ -7,7 +7,7 @@ SmolLM-135M-shaped Llama built from config (batch 8 x 64), LoRA r=8 on q/v of ev
 Modes: `mezo` is MeZO's estimator (two forwards of the whole model per seed; MiniLM cases
 only), `sequential` is today's `spsa_step` (the same forwards through the model's own
 frozen-prefix feature cache, so a probe runs only the layers at and above the lowest
-perturbed tensor), `batched` is `seedfed.shared.probes` (shared prefix + stacked copies within
+perturbed tensor), `batched` is `seedfed.shared.model.probes` (shared prefix + stacked copies within
 the default memory budget). The speed target is read against both baselines: for LoRA on the
 top layer the cache already removes five of six layers, and what is left is the layer whose
 matmuls every copy must run. A depth sweep times P = 8 for scopes whose lowest perturbed
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .core import run_worker
+from seedfed.bench.core import run_worker
 
 MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
 LLAMA_CASE = "lora_r8"

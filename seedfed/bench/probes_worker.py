@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core_setup import SMOLLM_135M, peak_rss_mb, reset_peak
+from seedfed.bench.core_setup import SMOLLM_135M, peak_rss_mb, reset_peak
 
 LR, EPS = 1e-9, 1e-3
 MINILM_BATCH, MAX_LEN = 16, 64
@@ -71,8 +71,8 @@ def _trim() -> None:
 
 
 def _minilm_base(quick: bool) -> tuple[Any, Any]:
-    from seedfed.shared.models import MeanPoolClassifier, build_model
-    from seedfed.shared.task import TaskSpec
+    from seedfed.shared.model.models import MeanPoolClassifier, build_model
+    from seedfed.shared.protocol.task import TaskSpec
 
     if quick:  # a tiny BERT from config: CI needs no checkpoint
         from transformers import BertConfig, BertModel
@@ -108,10 +108,10 @@ def _minilm_batch(tokenizer: Any, quick: bool) -> dict[str, torch.Tensor]:
 def _adapt(base: Any, targets: tuple[str, ...] | None, scope_kind: str,
            options: dict[str, Any], fmt: str) -> tuple[nn.Module, Any]:
     """The base MiniLM with this case's adapters / quantization and scope (as build_model)."""
-    from seedfed.shared.models import MeanPoolClassifier, apply_lora, frozen_prefix_depth
-    from seedfed.shared.quant.model import QuantConfig, quantize_model
-    from seedfed.shared.scopes import build_scope
-    from seedfed.shared.task import LoraOptions
+    from seedfed.shared.model.models import MeanPoolClassifier, apply_lora, frozen_prefix_depth
+    from seedfed.shared.model.quant.model import QuantConfig, quantize_model
+    from seedfed.shared.model.scopes import build_scope
+    from seedfed.shared.protocol.task import LoraOptions
 
     model = copy.deepcopy(base)
     model.clear_cache()
@@ -155,11 +155,10 @@ def build_case(name: str, quick: bool) -> Case:
 
 
 def _llama_case(quick: bool, loss: Any, losses: Any) -> Case:
-    from seedfed.shared.models import apply_lora
-    from seedfed.shared.scopes import build_scope
-    from seedfed.shared.task import LoraOptions
-
-    from .core_setup import QUICK, build_model, make_batch
+    from seedfed.bench.core_setup import QUICK, build_model, make_batch
+    from seedfed.shared.model.models import apply_lora
+    from seedfed.shared.model.scopes import build_scope
+    from seedfed.shared.protocol.task import LoraOptions
 
     shape = QUICK if quick else LLAMA_SHAPE
     model = apply_lora(build_model(shape), LoraOptions(r=8, target_modules=("q_proj", "v_proj")),
@@ -173,7 +172,7 @@ def _llama_case(quick: bool, loss: Any, losses: Any) -> Case:
 @contextlib.contextmanager
 def _whole_forward(model: nn.Module) -> Any:
     """MeZO's probe: every forward runs the whole model (the feature cache switched off)."""
-    from seedfed.shared.models import MeanPoolClassifier
+    from seedfed.shared.model.models import MeanPoolClassifier
 
     inner = next((m for m in model.modules() if isinstance(m, MeanPoolClassifier)), None)
     depth = inner.frozen_prefix if inner is not None else 0
@@ -190,9 +189,9 @@ def _stepper(case: Case, mode: str) -> Callable[[list[int]], Any]:
     """One ZO step of `mode`: `mezo` (two whole forwards per seed, MeZO's estimator),
     `sequential` (the same through the model's frozen-prefix feature cache), `shared` (the
     probe engine, prefix shared, one copy per forward) or `batched` (shared + stacked copies)."""
-    from seedfed.shared.estimator import ZOConfig, spsa_step
-    from seedfed.shared.perturb import Perturber
-    from seedfed.shared.probes import ProbeEngine, engine_step
+    from seedfed.shared.model.estimator import ZOConfig, spsa_step
+    from seedfed.shared.model.perturb import Perturber
+    from seedfed.shared.model.probes import ProbeEngine, engine_step
 
     perturber = Perturber(case.scope)
     engine = ProbeEngine(case.model, case.scope, case.loss,

@@ -9,15 +9,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from seedfed.server import service
+from seedfed.server.api.openapi import TaskIdPath
+from seedfed.server.connections import trust
+from seedfed.server.errors import AuthenticationError
+from seedfed.server.runtime import Runtime
+from seedfed.server.service import join_tokens
+from seedfed.server.service.uploads import UploadWriter
 from sqlalchemy.orm import Session
-
-from .. import service
-from ..connections import trust
-from ..errors import AuthenticationError
-from ..runtime import Runtime
-from ..service import join_tokens
-from ..service.uploads import UploadWriter
-from .openapi import TaskIdPath
 
 _bearer = HTTPBearer(auto_error=False, description="Admin token or device token")
 

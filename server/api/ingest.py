@@ -16,17 +16,16 @@ import re
 from collections.abc import Mapping
 
 from fastapi.concurrency import run_in_threadpool
-from seedfed.shared.errors import SeedfedError
-from seedfed.shared.messages import UPLOAD_HEADERS
-from seedfed.shared.wire import MAX_ROUND, Upload
+from seedfed.server import service
+from seedfed.server.connections import trust
+from seedfed.server.errors import MalformedRequestError, error_headers, error_payload, status_of
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import UploadReceipt
+from seedfed.server.service.uploads import UploadWriter
+from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.messages import UPLOAD_HEADERS
+from seedfed.shared.protocol.wire import MAX_ROUND, Upload
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from .. import service
-from ..connections import trust
-from ..errors import MalformedRequestError, error_headers, error_payload, status_of
-from ..runtime import Runtime
-from ..schemas import UploadReceipt
-from ..service.uploads import UploadWriter
 
 logger = logging.getLogger("seedfed.server")
 

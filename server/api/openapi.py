@@ -14,11 +14,11 @@ from typing import Annotated, Any
 
 from fastapi import Path
 from fastapi.responses import JSONResponse
-from seedfed.shared.wire import MAX_ROUND, MAX_VERSION
 
 # The error body and its encoding live below the API layer (the fast path, the app's handlers
 # and this document share them); re-exported here, where the contract is described.
-from ..errors import ErrorBody, ValidationIssue, error_payload
+from seedfed.server.errors import ErrorBody, ValidationIssue, error_payload
+from seedfed.shared.protocol.wire import MAX_ROUND, MAX_VERSION
 
 __all__ = ["DeviceIdPath", "ErrorBody", "RoundPath", "TaskIdPath", "ValidationIssue",
            "VersionPath", "error_payload", "error_response", "errors", "install",

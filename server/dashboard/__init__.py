@@ -1,5 +1,5 @@
 """The operator dashboard: an HTML page at `/` with its static assets (see `routes`)."""
 
-from .routes import STATIC_DIR, router
+from seedfed.server.dashboard.routes import STATIC_DIR, router
 
 __all__ = ["STATIC_DIR", "router"]

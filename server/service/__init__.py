@@ -1,17 +1,17 @@
 """The coordinator's service layer: keyword-only functions the REST routes and the in-process
 facade (`seedfed.server.coordinator.Coordinator`) both call."""
 
-from . import devices
-from .abandon import abandon_round
-from .devices import (
+from seedfed.server.service import devices
+from seedfed.server.service.abandon import abandon_round
+from seedfed.server.service.devices import (
     authenticate_device,
     authenticate_hash,
     bearer_device,
     enroll_device,
     revoke_device,
 )
-from .health import metrics_text, readiness
-from .log import (
+from seedfed.server.service.health import metrics_text, readiness
+from seedfed.server.service.log import (
     catchup_plan,
     log_since,
     open_snapshot,
@@ -22,9 +22,9 @@ from .log import (
     snapshot_info,
     task_stats,
 )
-from .metrics import device_metrics, record_device_metrics
-from .opening import open_round, set_schedule
-from .rounds import (
+from seedfed.server.service.metrics import device_metrics, record_device_metrics
+from seedfed.server.service.opening import open_round, set_schedule
+from seedfed.server.service.rounds import (
     cached_plan,
     close_if_due,
     close_round,
@@ -34,8 +34,15 @@ from .rounds import (
     recover,
     tick,
 )
-from .tasks import create_task, list_tasks, load_master, prune_versions, task_spec, task_status
-from .uploads import (
+from seedfed.server.service.tasks import (
+    create_task,
+    list_tasks,
+    load_master,
+    prune_versions,
+    task_spec,
+    task_status,
+)
+from seedfed.server.service.uploads import (
     UploadWriter,
     check_upload,
     count_rejected,

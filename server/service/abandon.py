@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 
+from seedfed.server.errors import ConflictError, RoundClosedError
+from seedfed.server.orm import RoundState, UploadRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import AbandonedRound
+from seedfed.server.service.opening import locked_task
+from seedfed.server.service.rounds import get_round
 from sqlalchemy import func, select
-
-from ..errors import ConflictError, RoundClosedError
-from ..orm import RoundState, UploadRow, utcnow
-from ..runtime import Runtime
-from ..schemas import AbandonedRound
-from .opening import locked_task
-from .rounds import get_round
 
 logger = logging.getLogger("seedfed.server")
 

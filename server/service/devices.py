@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import secrets
 
-from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
-from ..orm import DeviceRow, utcnow
-from ..runtime import Runtime
-from .join_tokens import claim_enrolment
-from .lookups import get_task, hash_token
+from seedfed.server.errors import AuthenticationError, NotFoundError, PermissionDeniedError
+from seedfed.server.orm import DeviceRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.service.join_tokens import claim_enrolment
+from seedfed.server.service.lookups import get_task, hash_token
 
 
 def enroll_device(rt: Runtime, *, task_id: str, join_token: str | None) -> tuple[str, str]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from prometheus_client import generate_latest
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import FailingClose, Health, Readiness
 from sqlalchemy import text
-
-from ..runtime import Runtime
-from ..schemas import FailingClose, Health, Readiness
 
 
 def readiness(rt: Runtime) -> Health | Readiness:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import secrets
 
+from seedfed.server.errors import AuthenticationError, NotFoundError, PermissionDeniedError
+from seedfed.server.orm import JoinTokenRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.service.lookups import get_task, hash_token
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
-
-from ..errors import AuthenticationError, NotFoundError, PermissionDeniedError
-from ..orm import JoinTokenRow, utcnow
-from ..runtime import Runtime
-from .lookups import get_task, hash_token
 
 
 def new_join_token(s: Session, *, task_id: str, max_devices: int | None) -> tuple[str, str]:

@@ -5,24 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from seedfed.shared.messages import replay_bytes as estimate_replay_bytes
-from seedfed.shared.wire import LogEntryWire
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
-from ..errors import (
+from seedfed.server.errors import (
     FormatNotPublishedError,
     InvalidQueryError,
     NotFoundError,
     StoreError,
     VersionAheadError,
 )
-from ..orm import DeviceRow, RoundRow, UploadRow, VersionRow
-from ..runtime import Runtime
-from ..schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
-from .metrics import fleet_metrics, with_fleet_accuracy
-from .rounds import wire_of
-from .tasks import (
+from seedfed.server.orm import DeviceRow, RoundRow, UploadRow, VersionRow
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import CatchupPlan, DeviceSummary, RoundMetrics, TaskStats
+from seedfed.server.service.metrics import fleet_metrics, with_fleet_accuracy
+from seedfed.server.service.rounds import wire_of
+from seedfed.server.service.tasks import (
     devices_seen,
     dp_epsilon,
     get_task,
@@ -31,6 +26,10 @@ from .tasks import (
     pruned_through,
     spec_of,
 )
+from seedfed.shared.protocol.messages import replay_bytes as estimate_replay_bytes
+from seedfed.shared.protocol.wire import LogEntryWire
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 #: Defaults of the catch-up cost model, for a modest device (a Raspberry Pi 4 on Wi-Fi).
 DEFAULT_BANDWIDTH = 2e6  # bytes/s

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import hashlib
 
+from seedfed.server.errors import NotFoundError
+from seedfed.server.orm import TaskRow
 from sqlalchemy.orm import Session
-
-from ..errors import NotFoundError
-from ..orm import TaskRow
 
 
 def hash_token(token: str) -> str:

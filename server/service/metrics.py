@@ -17,18 +17,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from seedfed.shared.fleet_stats import fleet_accuracy
-from seedfed.shared.wire import DeviceMetrics
+from seedfed.server.errors import InvalidMetricsError, PermissionDeniedError
+from seedfed.server.orm import DeviceMetricsRow, DeviceRow, RoundRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import MetricsReceipt, RoundMetrics
+from seedfed.server.service.lookups import get_task
+from seedfed.server.service.rounds import get_round
+from seedfed.shared.protocol.fleet_stats import fleet_accuracy
+from seedfed.shared.protocol.wire import DeviceMetrics
 from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
-
-from ..errors import InvalidMetricsError, PermissionDeniedError
-from ..orm import DeviceMetricsRow, DeviceRow, RoundRow, utcnow
-from ..runtime import Runtime
-from ..schemas import MetricsReceipt, RoundMetrics
-from .lookups import get_task
-from .rounds import get_round
 
 
 def record_device_metrics(rt: Runtime, *, task_id: str, round_number: int, device_id: str,

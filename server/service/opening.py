@@ -15,16 +15,15 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
-from seedfed.shared.quant.scales_scope import plan_clip
-from seedfed.shared.wire import RoundPlan
+from seedfed.server.aggregation import draw_seeds
+from seedfed.server.errors import ConflictError, InvalidTaskError, NotFoundError
+from seedfed.server.orm import DeviceRow, RoundRow, RoundState, Schedule, TaskRow, UploadRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.service.tasks import mask_epoch_of, round_cap_of, spec_of
+from seedfed.shared.model.quant.scales_scope import plan_clip
+from seedfed.shared.protocol.wire import RoundPlan
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-
-from ..aggregation import draw_seeds
-from ..errors import ConflictError, InvalidTaskError, NotFoundError
-from ..orm import DeviceRow, RoundRow, RoundState, Schedule, TaskRow, UploadRow, utcnow
-from ..runtime import Runtime
-from .tasks import mask_epoch_of, round_cap_of, spec_of
 
 logger = logging.getLogger("seedfed.server")
 

@@ -24,32 +24,30 @@ import time
 from datetime import timedelta
 
 import numpy as np
-from seedfed.shared.replay import LogEntry, checksum
-from seedfed.shared.scopes import Scope
-from seedfed.shared.wire import (
-    MAX_ABS_LOSS,
-    MAX_ABS_SCALAR,
-    MAX_NUM_EXAMPLES,
-    LogEntryWire,
-    RoundPlan,
-)
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session
-
-from ..aggregation import apply_entry, combine
-from ..caches import at_quorum
-from ..errors import (
+from seedfed.server.aggregation import apply_entry, combine
+from seedfed.server.caches import at_quorum
+from seedfed.server.errors import (
     ConflictError,
     EmptyRoundError,
     NotFoundError,
     RoundClosedError,
     fails_every_time,
 )
-from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, VersionRow, utcnow
-from ..runtime import CloseFailure, Runtime
-from .opening import abandon_stale, locked_task, open_idle, open_scheduled
-from .opening import open_round as open_round  # re-exported: opening rounds lives there
-from .tasks import (
+from seedfed.server.orm import (
+    DeviceRow,
+    RoundRow,
+    RoundState,
+    TaskRow,
+    UploadRow,
+    VersionRow,
+    utcnow,
+)
+from seedfed.server.runtime import CloseFailure, Runtime
+from seedfed.server.service.opening import abandon_stale, locked_task, open_idle, open_scheduled
+from seedfed.server.service.opening import (
+    open_round as open_round,  # re-exported: opening rounds lives there
+)
+from seedfed.server.service.tasks import (
     get_task,
     load_master,
     mask_epoch_of,
@@ -58,6 +56,17 @@ from .tasks import (
     spec_of,
     write_version_files,
 )
+from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.model.scopes import Scope
+from seedfed.shared.protocol.wire import (
+    MAX_ABS_LOSS,
+    MAX_ABS_SCALAR,
+    MAX_NUM_EXAMPLES,
+    LogEntryWire,
+    RoundPlan,
+)
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
 logger = logging.getLogger("seedfed.server")
 

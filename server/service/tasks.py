@@ -8,27 +8,10 @@ import secrets
 from typing import Any
 
 import numpy as np
-from seedfed.shared.errors import ScopeError, SeedfedError
-from seedfed.shared.models import build_model
-from seedfed.shared.probes import ProbeMemoryError, check_task_probes
-from seedfed.shared.replay import checksum
-from seedfed.shared.scopes import scope_epoch
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import (
-    MAX_DIM,
-    MAX_NUM_EXAMPLES,
-    MAX_ROUND,
-    MAX_VERSION,
-    Upload,
-    encode_scalars,
-)
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
-
-from .. import privacy
-from ..errors import InvalidTaskError, NotFoundError, StoreError
-from ..formats import publisher
-from ..orm import (
+from seedfed.server import privacy
+from seedfed.server.errors import InvalidTaskError, NotFoundError, StoreError
+from seedfed.server.formats import publisher
+from seedfed.server.orm import (
     DeviceRow,
     RoundRow,
     RoundState,
@@ -38,12 +21,28 @@ from ..orm import (
     VersionRow,
     utcnow,
 )
-from ..runtime import Master, Runtime
-from ..schemas import TaskStatus
-from ..store import StoredFile
-from .join_tokens import new_join_token
-from .lookups import get_task, hash_token
-from .waiting import TaskMoment, waiting_of
+from seedfed.server.runtime import Master, Runtime
+from seedfed.server.schemas import TaskStatus
+from seedfed.server.service.join_tokens import new_join_token
+from seedfed.server.service.lookups import get_task, hash_token
+from seedfed.server.service.waiting import TaskMoment, waiting_of
+from seedfed.server.store import StoredFile
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.probes import ProbeMemoryError, check_task_probes
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.scopes import scope_epoch
+from seedfed.shared.protocol.errors import ScopeError, SeedfedError
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import (
+    MAX_DIM,
+    MAX_NUM_EXAMPLES,
+    MAX_ROUND,
+    MAX_VERSION,
+    Upload,
+    encode_scalars,
+)
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 #: The form of a task secret (`secrets.token_hex(16)`; `aggregation.round_rng` reads it).
 _SECRET = re.compile(r"[0-9a-f]{32}")

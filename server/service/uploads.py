@@ -18,13 +18,8 @@ from datetime import datetime
 
 import numpy as np
 from pydantic import ValidationError
-from seedfed.shared.errors import ShapeError, WireFormatError
-from seedfed.shared.wire import MAX_ROUND, Upload, encode_scalars, unpack_binary
-from sqlalchemy import func, insert, select, update
-from sqlalchemy.orm import Session
-
-from ..aggregation import upload_digest
-from ..errors import (
+from seedfed.server.aggregation import upload_digest
+from seedfed.server.errors import (
     AuthenticationError,
     DuplicateUploadError,
     InvalidUploadError,
@@ -35,10 +30,14 @@ from ..errors import (
     RoundFullError,
     StaleVersionError,
 )
-from ..orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, utcnow
-from ..runtime import Runtime
-from ..schemas import UploadReceipt
-from .rounds import get_round, open_plan
+from seedfed.server.orm import DeviceRow, RoundRow, RoundState, TaskRow, UploadRow, utcnow
+from seedfed.server.runtime import Runtime
+from seedfed.server.schemas import UploadReceipt
+from seedfed.server.service.rounds import get_round, open_plan
+from seedfed.shared.protocol.errors import ShapeError, WireFormatError
+from seedfed.shared.protocol.wire import MAX_ROUND, Upload, encode_scalars, unpack_binary
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
 
 
 @dataclass(frozen=True)

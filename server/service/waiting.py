@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from seedfed.shared.messages import Waiting
-
-from ..caches import CloseFailure
-from ..orm import Schedule
+from seedfed.server.caches import CloseFailure
+from seedfed.server.orm import Schedule
+from seedfed.shared.protocol.messages import Waiting
 
 
 @dataclass(frozen=True)

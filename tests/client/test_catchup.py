@@ -22,7 +22,7 @@ from seedfed.client.http_device import DeviceConfig, HttpDevice
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

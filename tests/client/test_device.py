@@ -12,9 +12,9 @@ from seedfed.client.device import FP32, Device, DeviceStateError, Fetch, MemoryS
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.replay import LogEntry
-from seedfed.shared.task import Hyper, TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload
+from seedfed.shared.model.replay import LogEntry
+from seedfed.shared.protocol.task import Hyper, TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload
 
 from tests.fleet_helpers import ternary_spec
 

@@ -7,8 +7,11 @@ import logging
 
 import pytest
 from seedfed.client.endpoint import poll_rounds
-from seedfed.shared.coordinator_client import CoordinatorHttpError, CoordinatorUnreachableError
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.protocol.coordinator_client import (
+    CoordinatorHttpError,
+    CoordinatorUnreachableError,
+)
+from seedfed.shared.protocol.wire import RoundPlan
 
 
 def _plan(number: int) -> RoundPlan:

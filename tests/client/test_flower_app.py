@@ -19,8 +19,8 @@ from seedfed.client.flower_app import STATE, make_client_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy, payload_bytes
 from seedfed.server.settings import Settings
-from seedfed.shared.records import NUM_EXAMPLES, RECORD
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.records import NUM_EXAMPLES, RECORD
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 from tests.fleet_helpers import FakeGrid, deliver
 

@@ -21,8 +21,8 @@ from seedfed.client.flower_app import STATE, DeviceRuntime, make_client_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, RoundRecord, SeedfedStrategy
 from seedfed.server.settings import Settings
-from seedfed.shared.records import RECORD
-from seedfed.shared.ternary import bitlinear_modules
+from seedfed.shared.model.ternary import bitlinear_modules
+from seedfed.shared.protocol.records import RECORD
 
 from tests.fleet_helpers import FakeGrid, deliver, ternary_spec
 

@@ -13,7 +13,7 @@ from seedfed.client.personal import PersonalConfig
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 from tests.fleet_helpers import replay_when_allowed
 

@@ -19,8 +19,8 @@ from seedfed.client.http_device import TERNARY_SNAPSHOT_FILE, DeviceConfig, Http
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.replay import checksum
-from seedfed.shared.ternary import bitlinear_modules
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.ternary import bitlinear_modules
 
 from tests.fleet_helpers import replay_when_allowed, ternary_spec
 

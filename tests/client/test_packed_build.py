@@ -21,11 +21,9 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 from seedfed.client.ternary import PackedTernary, TernaryDeviceError
-from seedfed.shared.errors import ScopeError
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.ternary import (
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.ternary import (
     TernaryFormatError,
     TernaryScope,
     bitlinear_modules,
@@ -34,6 +32,8 @@ from seedfed.shared.ternary import (
     mask_config,
     publish_ternary,
 )
+from seedfed.shared.protocol.errors import ScopeError
+from seedfed.shared.protocol.task import TaskSpec
 from torch import nn
 
 from tests.fleet_helpers import ternary_spec
@@ -161,7 +161,7 @@ def test_only_safetensors(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_a_causal_lm_ternary_task_refuses_train_head() -> None:
-    # a seq_cls ternary task is accepted (tests/shared/ternary/test_classifier.py); a causal
+    # a seq_cls ternary task is accepted (tests/shared/model/ternary/test_classifier.py); a causal
     # LM has no classification head to train
     with pytest.raises(ValueError, match="train_head applies to seq_cls"):
         TaskSpec(model_path="x", model_kind="causal_lm", scope="ternary", format="ternary",
@@ -179,9 +179,9 @@ _CHILD = textwrap.dedent("""
     from pathlib import Path
     import torch
     from seedfed.client.ternary import PackedTernary
-    from seedfed.shared.models import build_model
-    from seedfed.shared.task import TaskSpec
-    from seedfed.shared.ternary import bitlinear_modules
+    from seedfed.shared.model.models import build_model
+    from seedfed.shared.protocol.task import TaskSpec
+    from seedfed.shared.model.ternary import bitlinear_modules
 
     def status(key):
         for line in Path("/proc/self/status").read_text().splitlines():

@@ -18,9 +18,9 @@ from seedfed.client.personal import PersonalConfig
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy, payload_bytes
 from seedfed.server.settings import Settings
-from seedfed.shared.records import LOCAL_ONLY_ACCURACY, METRICS, PERSONAL_ACCURACY, RECORD
-from seedfed.shared.task import Hyper, TaskSpec
-from seedfed.shared.wire import Upload
+from seedfed.shared.protocol.records import LOCAL_ONLY_ACCURACY, METRICS, PERSONAL_ACCURACY, RECORD
+from seedfed.shared.protocol.task import Hyper, TaskSpec
+from seedfed.shared.protocol.wire import Upload
 from torch import Tensor
 
 from tests.fleet_helpers import FakeGrid, deliver

@@ -15,8 +15,8 @@ from seedfed.client.preflight import (
     refusal,
     task_examples,
 )
-from seedfed.shared.coordinator_client import CoordinatorHttpError
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.coordinator_client import CoordinatorHttpError
+from seedfed.shared.protocol.task import TaskSpec
 
 
 def _refused(status: int, error: str, detail: str) -> CoordinatorHttpError:

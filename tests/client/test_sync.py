@@ -8,9 +8,13 @@ from seedfed.client.sync import (
     snapshot_cost_bytes,
     state_bytes,
 )
-from seedfed.shared.errors import ChecksumMismatchError, LogEntryMismatchError, WireFormatError
-from seedfed.shared.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.scopes import Scope, build_scope
+from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.scopes import Scope, build_scope
+from seedfed.shared.protocol.errors import (
+    ChecksumMismatchError,
+    LogEntryMismatchError,
+    WireFormatError,
+)
 from torch import nn
 
 TASK = "t1"

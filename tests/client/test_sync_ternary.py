@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import torch
 from seedfed.client.sync import catch_up_ternary
-from seedfed.shared.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.scopes import build_scope
-from seedfed.shared.ternary import (
+from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.scopes import build_scope
+from seedfed.shared.model.ternary import (
     MaskConfig,
     TernaryScope,
     bitlinear_modules,

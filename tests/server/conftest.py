@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.runtime import Runtime
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
+from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
 
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "fun", "dull", "plot", "love",
          "hate", "the", "a", "is", "was", "not", "very", "positive", "negative"]

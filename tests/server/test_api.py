@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load as st_load
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum, replay
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload, pack_binary
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum, replay
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload, pack_binary
 
 from .conftest import make_settings
 
@@ -178,7 +178,7 @@ def test_stats_catchup_metrics_and_health(client: TestClient, spec: TaskSpec) ->
 
 
 def test_int8_task_publishes_through_the_quant_hook(client: TestClient, tiny_bert: Path) -> None:
-    from seedfed.shared.quant.publish import publish_int8
+    from seedfed.shared.model.quant.publish import publish_int8
 
     from .conftest import tiny_spec
 

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload, pack_binary
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
 from .conftest import ServedTask, make_settings, tiny_spec

@@ -13,7 +13,7 @@ from seedfed.server.caches import (
     at_quorum,
 )
 from seedfed.server.errors import PermissionDeniedError
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.protocol.wire import RoundPlan
 
 
 def _plan(quorum: int) -> RoundPlan:

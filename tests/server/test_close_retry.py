@@ -15,8 +15,8 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.runtime import Runtime
 from seedfed.server.service import rounds as rounds_service
 from seedfed.server.service.uploads import PendingUpload, write_uploads
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload
 
 from .conftest import make_settings
 

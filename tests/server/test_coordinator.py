@@ -11,8 +11,8 @@ from seedfed.server import privacy, service
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import InvalidUploadError
 from seedfed.server.schemas import UploadReceipt
-from seedfed.shared.aggregate import AggregationConfig
-from seedfed.shared.wire import Upload
+from seedfed.shared.protocol.aggregate import AggregationConfig
+from seedfed.shared.protocol.wire import Upload
 
 from .conftest import tiny_spec
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.service.log import device_summaries
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import Upload
 
 from .conftest import make_settings
 

@@ -15,8 +15,8 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.db import downgrade, make_engine, upgrade
 from seedfed.server.errors import InvalidMetricsError, NotFoundError, PermissionDeniedError
 from seedfed.server.orm import DeviceMetricsRow
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import DeviceMetrics, Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import DeviceMetrics, Upload
 from sqlalchemy import func, select
 
 from .conftest import make_settings

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from httpx import Response
 from seedfed.server import errors as server_errors
 from seedfed.server.app import create_app
-from seedfed.shared import errors as shared_errors
-from seedfed.shared.wire import RoundPlan, Upload, pack_binary
+from seedfed.shared.protocol import errors as shared_errors
+from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 
 from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN, bearer, enroll, new_task

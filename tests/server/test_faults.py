@@ -22,10 +22,10 @@ from seedfed.server import db as server_db
 from seedfed.server.app import create_app
 from seedfed.server.errors import StoreUnavailableError
 from seedfed.server.store import ModelStore
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum, replay
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum, replay
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload
 
 from .conftest import fresh_pg_database, make_settings
 

@@ -23,7 +23,7 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_app import RestCoordinator, run_fleet
 from seedfed.server.flower_strategy import FleetConfig, SeedfedStrategy
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 ADMIN = "server-app-test-admin-token"
 NODES = (5, 6)

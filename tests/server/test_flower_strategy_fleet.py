@@ -15,7 +15,7 @@ from seedfed.client.flower_app import make_client_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.flower_strategy import FleetConfig, FleetFailedError, SeedfedStrategy
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 from tests.fleet_helpers import FakeGrid, deliver
 

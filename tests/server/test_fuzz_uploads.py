@@ -20,7 +20,7 @@ from seedfed.server.api.openapi import ErrorBody
 from seedfed.server.app import create_app
 from seedfed.server.orm import UploadRow
 from seedfed.server.runtime import Runtime
-from seedfed.shared.wire import MAGIC, RoundPlan, Upload, pack_binary
+from seedfed.shared.protocol.wire import MAGIC, RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
 from ..strategies import mutate_fields

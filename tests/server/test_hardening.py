@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from seedfed.server import service
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, pack_binary
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, pack_binary
 from sqlalchemy.exc import OperationalError
 
 from tests.live_coordinator import ADMIN_TOKEN, live_settings, serve

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from seedfed.server.api.openapi import ErrorBody, install
 from seedfed.server.app import create_app
 from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionRow
-from seedfed.shared.wire import RoundPlan, Upload, pack_binary
+from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
 from .conftest import ServedTask, _reset_pg, make_settings, tiny_spec

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from seedfed.server.app import create_app
 from seedfed.server.db import make_engine
 from seedfed.server.settings import Settings
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 
 from .conftest import make_settings
 from .test_api import ADMIN, enroll, new_task

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 from seedfed.server.coordinator import Coordinator
-from seedfed.shared.npzo import update_coefficients
-from seedfed.shared.task import Hyper
-from seedfed.shared.wire import Upload
+from seedfed.shared.protocol.npzo import update_coefficients
+from seedfed.shared.protocol.task import Hyper
+from seedfed.shared.protocol.wire import Upload
 
 from .conftest import tiny_spec
 

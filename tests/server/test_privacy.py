@@ -15,7 +15,7 @@ from seedfed.server.aggregation import combine
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import InvalidTaskError
 from seedfed.server.privacy import DEFAULT_ORDERS, epsilon, gaussian_rdp
-from seedfed.shared.aggregate import AggregationConfig, aggregate, dp_noise_std
+from seedfed.shared.protocol.aggregate import AggregationConfig, aggregate, dp_noise_std
 
 from .conftest import tiny_spec
 

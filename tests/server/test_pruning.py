@@ -19,11 +19,11 @@ from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import NotFoundError, StoreError
 from seedfed.server.settings import Settings
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum, replay
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.ternary import TernaryScope, mask_config
-from seedfed.shared.wire import Upload
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum, replay
+from seedfed.shared.model.ternary import TernaryScope, mask_config
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import Upload
 from typer.testing import CliRunner
 
 from .conftest import make_settings, tiny_spec

@@ -16,10 +16,10 @@ import pytest
 import torch
 from seedfed.client.sync import catch_up
 from seedfed.server.aggregation import apply_entry
-from seedfed.shared.quant import QuantConfig, build_quantized
-from seedfed.shared.replay import LogEntry, checksum
-from seedfed.shared.scopes import Scope, build_scope
-from seedfed.shared.ternary import (
+from seedfed.shared.model.quant import QuantConfig, build_quantized
+from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.model.scopes import Scope, build_scope
+from seedfed.shared.model.ternary import (
     TernaryScope,
     bitlinear_modules,
     load_published_ternary,

@@ -16,8 +16,8 @@ from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import ConflictError, RoundClosedError
 from seedfed.server.orm import RoundRow, RoundState
 from seedfed.server.service import rounds as rounds_service
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload
 from sqlalchemy import event, select
 
 from .conftest import make_settings

@@ -18,8 +18,8 @@ from seedfed.server.caches import CloseFailure
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.orm import utcnow
 from seedfed.server.service.waiting import TaskMoment, waiting_of
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload
 
 from .conftest import make_settings
 from .test_api import ADMIN, bearer, enroll, new_task

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import DeviceConfig, HttpDevice
-from seedfed.shared.coordinator_client import CoordinatorClient
+from seedfed.shared.protocol.coordinator_client import CoordinatorClient
 from typer.testing import CliRunner
 
 from seedfed.cli import app

@@ -29,8 +29,8 @@ UPLOADS = 30  # honest uploads before the flood and as many during it
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, str, list[str], list[str]]]:
     """(base URL, task id, device tokens, upload bodies) of a coordinator process."""
-    from seedfed.shared.task import Hyper, LoraOptions, TaskSpec
-    from seedfed.shared.wire import Upload
+    from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
+    from seedfed.shared.protocol.wire import Upload
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -23,10 +23,10 @@ from seedfed.server.errors import (
     StaleVersionError,
 )
 from seedfed.server.orm import Base, RoundRow, RoundState, UploadRow, VersionRow
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum, replay
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum, replay
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload
 from sqlalchemy import func, select
 
 from .conftest import make_settings

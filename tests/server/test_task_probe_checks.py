@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import InvalidTaskError
-from seedfed.shared.task import Hyper, LoraOptions
+from seedfed.shared.protocol.task import Hyper, LoraOptions
 
 from tests.server.conftest import tiny_spec
 

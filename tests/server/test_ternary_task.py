@@ -20,10 +20,9 @@ from seedfed.server import service
 from seedfed.server.aggregation import apply_entry
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum
-from seedfed.shared.task import Hyper, TaskSpec
-from seedfed.shared.ternary import (
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.model.ternary import (
     MaskConfig,
     TernaryScope,
     bitlinear_modules,
@@ -32,7 +31,8 @@ from seedfed.shared.ternary import (
     threshold_mask,
     unpack_ternary,
 )
-from seedfed.shared.wire import LogEntryWire, RoundPlan, Upload
+from seedfed.shared.protocol.task import Hyper, TaskSpec
+from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload
 from torch import nn
 
 from ..fleet_helpers import LLAMA_VOCAB, write_tiny_llama

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from seedfed.server import service
 from seedfed.server.settings import Settings
-from seedfed.shared.task import Hyper, TaskSpec
-from seedfed.shared.wire import RoundPlan, Upload, pack_binary
+from seedfed.shared.protocol.task import Hyper, TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 
 from .conftest import make_settings, tiny_spec
 from .test_api import ADMIN, bearer, enroll, g_for, new_task

@@ -12,8 +12,8 @@ import pytest
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.schemas import UploadReceipt
 from seedfed.server.service.uploads import PendingUpload, UploadWriter, check_upload
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import Upload
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import Upload
 
 from .conftest import make_settings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 import torch
-from seedfed.shared.stream import torch_stream as torch_stream
+from seedfed.shared.model.stream import torch_stream as torch_stream
 
 #: "cpu" (the torch ops forced there) and every accelerator this machine has.
 DEVICES: list[str] = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

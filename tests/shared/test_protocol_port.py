@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from seedfed.shared.conformance import committed_conformance
+from seedfed.shared.model.conformance import committed_conformance
 
 from . import protocol_port as port
 
@@ -120,7 +120,7 @@ def test_a_wrong_sort_order_would_be_caught_by_the_replay_vectors() -> None:
 
 def test_the_port_reproduces_the_stream_vectors_of_protocol_vectors() -> None:
     # `seedfed protocol vectors` (and `--all`'s "stream" section): the first block of each case
-    from seedfed.shared.vectors import committed_vectors
+    from seedfed.shared.protocol.vectors import committed_vectors
 
     for case in committed_vectors():
         assert f"{port.tensor_id(case['name'])}" == str(case["tensor_id"])

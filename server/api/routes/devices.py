@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 from fastapi.concurrency import run_in_threadpool
-
-from ... import service
-from ...schemas import Enrollment, EnrollRequest
-from ..deps import AdminDep, RuntimeDep
-from ..openapi import DeviceIdPath, TaskIdPath, errors
+from seedfed.server import service
+from seedfed.server.api.deps import AdminDep, RuntimeDep
+from seedfed.server.api.openapi import DeviceIdPath, TaskIdPath, errors
+from seedfed.server.schemas import Enrollment, EnrollRequest
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/devices", tags=["devices"])
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 from fastapi.concurrency import run_in_threadpool
-
-from ...schemas import JoinTokenCreate, JoinTokenCreated, JoinTokenInfo
-from ...service import join_tokens
-from ..deps import AdminDep, RuntimeDep, SessionDep
-from ..openapi import DeviceIdPath, TaskIdPath, errors
+from seedfed.server.api.deps import AdminDep, RuntimeDep, SessionDep
+from seedfed.server.api.openapi import DeviceIdPath, TaskIdPath, errors
+from seedfed.server.schemas import JoinTokenCreate, JoinTokenCreated, JoinTokenInfo
+from seedfed.server.service import join_tokens
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/join-tokens", tags=["devices"])
 

@@ -6,17 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
-from seedfed.shared.messages import (
+from seedfed.server import service
+from seedfed.server.api.deps import ReaderDep, RuntimeDep, SessionDep
+from seedfed.server.api.openapi import TaskIdPath, VersionPath, errors
+from seedfed.shared.protocol.messages import (
     HEADER_CHECKSUM,
     HEADER_FORMAT,
     HEADER_SHA256,
     HEADER_VERSION,
 )
-from seedfed.shared.wire import MAX_VERSION, LogEntryWire
-
-from ... import service
-from ..deps import ReaderDep, RuntimeDep, SessionDep
-from ..openapi import TaskIdPath, VersionPath, errors
+from seedfed.shared.protocol.wire import MAX_VERSION, LogEntryWire
 
 router = APIRouter(prefix="/v1/tasks/{task_id}", tags=["log"])
 

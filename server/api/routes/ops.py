@@ -5,10 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-
-from ... import service
-from ...schemas import Health, Readiness
-from ..deps import RuntimeDep
+from seedfed.server import service
+from seedfed.server.api.deps import RuntimeDep
+from seedfed.server.schemas import Health, Readiness
 
 router = APIRouter(tags=["ops"])
 

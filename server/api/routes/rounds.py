@@ -7,8 +7,21 @@ from typing import Any
 
 from fastapi import APIRouter, BackgroundTasks, Request, status
 from fastapi.concurrency import run_in_threadpool
-from seedfed.shared.messages import HEADER_LOSS, HEADER_NUM_EXAMPLES, HEADER_VERSION
-from seedfed.shared.wire import (
+from seedfed.server import service
+from seedfed.server.api.deps import (
+    AdminDep,
+    DeviceCredential,
+    DeviceDep,
+    ReaderDep,
+    RuntimeDep,
+    WriterDep,
+)
+from seedfed.server.api.ingest import close_after_answer, ingest
+from seedfed.server.api.openapi import RoundPath, TaskIdPath, errors
+from seedfed.server.errors import NotFoundError
+from seedfed.server.schemas import AbandonedRound, AbandonRequest, MetricsReceipt, UploadReceipt
+from seedfed.shared.protocol.messages import HEADER_LOSS, HEADER_NUM_EXAMPLES, HEADER_VERSION
+from seedfed.shared.protocol.wire import (
     MAX_NUM_EXAMPLES,
     MAX_VERSION,
     DeviceMetrics,
@@ -16,13 +29,6 @@ from seedfed.shared.wire import (
     RoundPlan,
     Upload,
 )
-
-from ... import service
-from ...errors import NotFoundError
-from ...schemas import AbandonedRound, AbandonRequest, MetricsReceipt, UploadReceipt
-from ..deps import AdminDep, DeviceCredential, DeviceDep, ReaderDep, RuntimeDep, WriterDep
-from ..ingest import close_after_answer, ingest
-from ..openapi import RoundPath, TaskIdPath, errors
 
 router = APIRouter(prefix="/v1/tasks/{task_id}/rounds", tags=["rounds"])
 
@@ -42,7 +48,7 @@ _UPLOAD_DOC: dict[str, Any] = {
             "application/json": {"schema": Upload.model_json_schema()},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary",
-                           "description": "seedfed.shared.wire.pack_binary(matrix): b'SFS1', "
+                           "description": "seedfed.shared.protocol.wire.pack_binary(matrix): b'SFS1', "
                                           "uint32 rows, uint32 cols, uint32 0, then rows*cols "
                                           "float32 LE. Version, example count and loss go in "
                                           "the X-Seedfed-Version, X-Seedfed-Num-Examples and "

@@ -6,10 +6,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 from fastapi.concurrency import run_in_threadpool
-from seedfed.shared.wire import MAX_VERSION
-
-from ... import service
-from ...schemas import (
+from seedfed.server import service
+from seedfed.server.api.deps import (
+    AdminDep,
+    ReaderDep,
+    RuntimeDep,
+    SessionDep,
+    SpecReaderDep,
+    StatsReaderDep,
+)
+from seedfed.server.api.openapi import TaskIdPath, errors
+from seedfed.server.schemas import (
     CatchupPlan,
     RoundMetrics,
     ScheduleUpdate,
@@ -18,15 +25,7 @@ from ...schemas import (
     TaskStats,
     TaskStatus,
 )
-from ..deps import (
-    AdminDep,
-    ReaderDep,
-    RuntimeDep,
-    SessionDep,
-    SpecReaderDep,
-    StatsReaderDep,
-)
-from ..openapi import TaskIdPath, errors
+from seedfed.shared.protocol.wire import MAX_VERSION
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from seedfed.shared.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 HEAD = {"patterns": ["classifier"]}
 

@@ -13,11 +13,11 @@ from seedfed.client.ort.bundle import BundleError
 from seedfed.client.ort.device import OrtDevice
 from seedfed.client.ort.runtime import OrtModel
 from seedfed.client.sync import state_bytes
-from seedfed.shared.errors import ChecksumMismatchError
-from seedfed.shared.models import build_model, load_tokenizer
-from seedfed.shared.npzo import update_coefficients
-from seedfed.shared.replay import LogEntry, checksum
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.models import build_model, load_tokenizer
+from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.protocol.errors import ChecksumMismatchError
+from seedfed.shared.protocol.npzo import update_coefficients
+from seedfed.shared.protocol.wire import RoundPlan
 
 from .conftest import head_spec
 

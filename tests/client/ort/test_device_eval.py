@@ -15,7 +15,7 @@ from seedfed.client.ort.http import META_FILE, TASK_FILE, OrtDeviceConfig, OrtHt
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.errors import ChecksumMismatchError
+from seedfed.shared.protocol.errors import ChecksumMismatchError
 from typer.testing import CliRunner
 
 from seedfed.cli import app

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from seedfed.client.ort.bundle import BundleError, Manifest
 from seedfed.client.ort.export import export_bundle
-from seedfed.shared.task import TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app

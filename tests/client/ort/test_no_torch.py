@@ -14,9 +14,9 @@ import pytest
 from seedfed.client.device import Device
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.sync import state_bytes
-from seedfed.shared.models import build_model
-from seedfed.shared.replay import checksum
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.model.models import build_model
+from seedfed.shared.model.replay import checksum
+from seedfed.shared.protocol.wire import RoundPlan
 
 from .conftest import head_spec
 
@@ -41,8 +41,8 @@ from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.ort.device import OrtDevice
 from seedfed.client.ort.http import OrtHttpDevice  # noqa: F401  (the REST adapter loads too)
 from seedfed.client.ort.runtime import OrtModel
-from seedfed.shared.task import TaskSpec
-from seedfed.shared.wire import RoundPlan
+from seedfed.shared.protocol.task import TaskSpec
+from seedfed.shared.protocol.wire import RoundPlan
 
 spec = TaskSpec.from_dict(args["spec"])
 dev = OrtDevice(spec, "t", OrtModel(args["bundle"], threads=1))

@@ -1,0 +1,1 @@
+"""The model layer: torch models, scopes, perturbation, replay, quantized and ternary forms."""

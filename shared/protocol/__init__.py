@@ -1,0 +1,1 @@
+"""The protocol layer: everything both sides must agree on, in numpy alone."""
