@@ -35,7 +35,7 @@ test: install
 	$(PY) -m pytest tests
 
 lint: install
-	$(BIN)/ruff check seedfed shared client server tests benchmarks
+	$(BIN)/ruff check seedfed shared client server tests
 	$(PY) scripts/typecheck.py
 	$(PY) scripts/check_imports.py
 

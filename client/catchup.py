@@ -7,7 +7,8 @@ whichever its OWN measurements say is cheaper (docs/protocol.md section 9).
 `choose_catchup` is that rule as a pure function. The rates come from the device itself:
 `LinkMeter` (bandwidth and latency from the duration and size of its own downloads),
 `RateMeter` for the replay rate (elements x seeds per second of its own replays, seeded by
-`calibrate_replay_rate`, a short timed replay of scratch tensors shaped like its scope) and
+its backend's `calibrate_replay_rate`, a short timed replay of scratch tensors shaped like its
+scope) and
 for the snapshot load rate (bytes per second of its own snapshot loads). No fixed constant
 decides: a phone on a slow link replays far more versions before a snapshot pays than a
 workstation on a LAN does.
@@ -15,20 +16,17 @@ workstation on a LAN does.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-from seedfed.client.sync import SyncResult
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.model.scopes import Scope, ScopedTensor
-from torch import nn
+from seedfed.client.backends.base import SyncResult
+from seedfed.shared.protocol.npzo import LogEntry
 
 if TYPE_CHECKING:
+    from seedfed.client.backends.base import Backend
     from seedfed.client.device import Device
     from seedfed.shared.protocol.coordinator_client import CoordinatorClient
 
@@ -138,36 +136,6 @@ class RateMeter:
         return sum(u for u, _ in self._samples) / sum(s for _, s in self._samples)
 
 
-def calibrate_replay_rate(sizes: Sequence[tuple[str, int]], seeds: int = 8, repeats: int = 3,
-                          max_elements: int = 1 << 22) -> float:
-    """Elements x seeds per second of replay on this CPU, before the device has replayed
-    anything: one entry of `seeds` seeds applied and verified (`replay.apply_seeds`, then
-    `replay.checksum`, as a device's replay does per entry) on zeroed scratch tensors of the
-    scope's (name, size) list, the first ones up to `max_elements` in all; median of `repeats`.
-    Per-tensor overhead and the checksum count, so a scope of many small tensors (LoRA) is
-    not mistaken for one long vector; the replay's own kernels run, so a faster replay shows
-    up here without a change."""
-    chosen: list[ScopedTensor] = []
-    total = 0
-    for name, n in sizes:
-        take = min(n, max_elements - total)
-        if take <= 0:
-            break
-        chosen.append(ScopedTensor(name, torch.zeros(take, dtype=torch.float32)))
-        total += take
-    if not chosen:
-        raise ValueError("calibration needs at least one tensor of at least one element")
-    scratch = Scope(nn.Module(), chosen)
-    coefs = [1e-3 * (i + 1) for i in range(seeds)]
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        apply_seeds(scratch, list(range(r * seeds, (r + 1) * seeds)), coefs)
-        checksum(scratch)
-        times.append(time.perf_counter() - t0)
-    return total * seeds / max(statistics.median(times), 1e-9)
-
-
 class CatchupMeters:
     """What one device has measured of itself: its link, its replay rate, its load rate."""
 
@@ -177,9 +145,9 @@ class CatchupMeters:
         self.load = RateMeter(PRIOR_LOAD_RATE)
         self.last: CatchupChoice | None = None  # the latest decision (logs, tests)
 
-    def replay_rate(self, scope: Scope) -> float:
+    def replay_rate(self, backend: Backend) -> float:
         if self.replay is None:
-            self.replay = RateMeter(calibrate_replay_rate([(t.name, t.numel) for t in scope]))
+            self.replay = RateMeter(backend.calibrate_replay_rate())
         return self.replay.rate
 
 
@@ -192,8 +160,8 @@ def sync_by_cost(device: Device, api: CoordinatorClient, task_id: str, target: i
     start = device.version
     numel = 0  # known only to a device that holds a state (a packed model may hold none yet)
     if start is not None and start < target:
-        numel = device.bundle.scope.numel
-        rate = meters.replay_rate(device.bundle.scope)
+        numel = sum(n for _, n in device.backend.state_sizes())
+        rate = meters.replay_rate(device.backend)
         plan = api.catchup(task_id, start, bandwidth=meters.link.bandwidth, regen_rate=rate)
         meters.last = choose_catchup(
             versions_behind=target - start, replay_bytes=plan.replay_bytes,

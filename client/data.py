@@ -25,8 +25,8 @@ import numpy as np
 from seedfed.shared.model.tokens import BATCH_KEYS, memo_for
 from seedfed.shared.protocol.errors import UserError
 
-if TYPE_CHECKING:  # torch loads only where a batch becomes tensors (`tokenize`): a device on
-    import torch  # an inference engine (seedfed.client.ort) reads, splits and samples without it
+if TYPE_CHECKING:  # torch loads only where a batch becomes tensors (`tokenize`): the ORT
+    import torch  # backend (seedfed.client.backends.ort) reads, splits and samples without it
 
 #: Header names accepted for the text column, in order of preference.
 TEXT_COLUMNS: tuple[str, ...] = ("sentence", "text")

@@ -1,6 +1,8 @@
-"""The device without a transport: one task's model, its state store, catch-up, training, scoring.
+"""The device without a transport: one task's state, catch-up, personal part and round, over
+any backend.
 
-Everything a device does is here; an adapter only moves messages and says where state lives:
+Everything a device does is here; a backend (`client.backends.base.Backend`) runs the model,
+an adapter only moves messages and says where state lives:
 
 - `client/flower_app.py`, the Flower ClientApp: entries or a snapshot arrive in the message,
   state persists in the node's Context;
@@ -8,79 +10,58 @@ Everything a device does is here; an adapter only moves messages and says where 
   persists in a directory.
 
 A third transport is one more adapter: build a `Device`, give it a `StateStore`, and call
-`resume`, `load_snapshot` / `sync`, `train` and `evaluate`.
+`resume`, `load_snapshot` / `sync`, `train` and `evaluate`. A new engine is one more backend.
 
-The model is one of two backends with the same interface: `Fp32Model`, whose trainable state
-is float32 values (every scope but ternary: full, LoRA, named, a quantized model's scales), and
-`client.ternary.PackedTernary`, a ternary task's packed model. Either way a device ends every
-sync on the checksum the coordinator published, or raises and stops trusting what it holds
-(`invalidate`): the next sync then needs a snapshot.
+Either way a device ends every sync on the checksum the coordinator published, or raises and
+stops trusting what it holds (`invalidate`): the next sync then needs a snapshot.
 
-A device may also keep a personal part (`client.personal`, `Device(personal=...)`): a small
-head of its own, trained after each round's shared steps on its own data and stored with its
-state (`StoredState.personal`), added on top of whatever shared version it syncs to. It is
-never part of an upload; a stored one that does not fit is rebuilt, the shared state untouched.
+A device may also keep a personal part (`client.personal`, `Device(personal=...)`, a torch
+backend's fp32 classifier): a small head of its own, trained after each round's shared steps
+on its own data and stored with its state (`StoredState.personal`), added on top of whatever
+shared version it syncs to. It is never part of an upload; a stored one that does not fit is
+rebuilt, the shared state untouched.
+
+This module imports no torch (the ONNX Runtime device runs it); the torch backend loads only
+when a device asks for it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from seedfed.client import data as data_mod
-from seedfed.client.device_data import DeviceData, local_accuracy
-from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalScores
-from seedfed.client.sync import SyncResult, catch_up, load_state, state_bytes
-from seedfed.client.ternary import SNAPSHOT_FORMAT, PackedTernary, is_ternary
-from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.model.models import (
-    FeatureStore,
-    ModelBundle,
-    build_model,
-    expect_texts,
-    share_features,
+from seedfed.client.backends.base import (
+    FP32,
+    Backend,
+    BackendConfig,
+    DeviceStateError,
+    Fetch,
+    PersonalHead,
+    StoredState,
+    SyncResult,
+    Trained,
 )
-from seedfed.shared.model.replay import LogEntry, checksum
 from seedfed.shared.protocol.errors import (
     ChecksumMismatchError,
     LogEntryMismatchError,
     ScopeError,
     SeedfedError,
 )
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan
 
+if TYPE_CHECKING:
+    from seedfed.client.data import Examples
+    from seedfed.client.device_data import DeviceData
+    from seedfed.client.personal import PersonalConfig, PersonalScores
+    from seedfed.shared.model.features import FeatureStore
+
 log = logging.getLogger(__name__)
-
-#: A snapshot download: () -> (file bytes, the state checksum the coordinator published).
-Fetch = Callable[[], tuple[bytes, str]]
-#: The `snapshot-format` / `?format=` of an fp32 trainable-state snapshot.
-FP32 = "fp32"
-
-
-class DeviceStateError(SeedfedError, RuntimeError):
-    """The device cannot reach the requested version with what it holds and was sent."""
-
-
-@dataclass(frozen=True)
-class StoredState:
-    """What a device keeps to survive a restart: the version it stands at and its trainable
-    state, plus (a ternary task) the published snapshot its packed model came from, which the
-    masked latents in `state` cannot rebuild the model without."""
-
-    task_id: str
-    version: int
-    checksum: str
-    state: bytes | None
-    snapshot: bytes | None = None
-    snapshot_version: int | None = None
-    snapshot_checksum: str = ""
-    #: The device's personal part (client.personal safetensors): kept on the device only.
-    personal: bytes | None = None
 
 
 class StateStore(Protocol):
@@ -104,105 +85,36 @@ class MemoryStore:
         self.state = state
 
 
-@dataclass(frozen=True)
-class Trained:
-    """A round's upload: the scalar matrix (steps x P), the aggregation weight, the loss."""
-
-    scalars: np.ndarray
-    num_examples: int
-    loss: float
-
-
-class Fp32Model:
-    """A task's model whose trainable state is float32 values: every scope but ternary."""
-
-    snapshot_format = FP32
-
-    def __init__(self, spec: TaskSpec) -> None:
-        if spec.model_kind != "seq_cls":
-            raise DeviceStateError(f"a device trains seq_cls tasks (and ternary causal LMs), "
-                                   f"not {spec.model_kind}")
-        self.bundle: ModelBundle = build_model(spec, initialize=False)
-        self.trainer = LocalTrainer(self.bundle.model, self.bundle.scope, classification_loss,
-                                    max_copies=spec.hyper.probe_copies,
-                                    budget_mb=spec.hyper.probe_memory_mb)
-        self.version: int | None = None
-        self.checksum = ""
-
-    def forget(self) -> None:
-        self.version, self.checksum = None, ""
-
-    def load_snapshot(self, data: bytes, version: int, checksum: str) -> None:
-        self.checksum = load_state(self.bundle.scope, data, checksum)
-        self.version = version
-
-    def restore(self, stored: StoredState) -> None:
-        if stored.state is None:
-            raise DeviceStateError(f"no stored state of v{stored.version}")
-        self.load_snapshot(stored.state, stored.version, stored.checksum)
-
-    def sync(self, *, task_id: str, target: int, entries: Sequence[LogEntry],
-             fetch: Fetch) -> SyncResult:
-        """Replay `entries` when they reach `target` from here, else load `fetch()`'s."""
-        if self.version is not None and self.version <= target and entries:
-            try:
-                result = catch_up(self.bundle.scope, task_id=task_id, version=self.version,
-                                  entries=entries, target=target)
-            except (ChecksumMismatchError, LogEntryMismatchError) as e:
-                log.warning("replay failed (%s); loading a snapshot", e)
-            else:
-                self.version, self.checksum = result.version, result.checksum
-                return result
-        data, chk = fetch()
-        self.load_snapshot(data, target, chk)
-        return SyncResult(target, self.checksum, "snapshot")
-
-    def stored(self, task_id: str) -> StoredState:
-        assert self.version is not None
-        return StoredState(task_id, self.version, self.checksum, state_bytes(self.bundle.scope))
-
-
-def _restore_packed(packed: PackedTernary, stored: StoredState) -> None:
-    if stored.snapshot is None or stored.snapshot_version is None:
-        raise DeviceStateError(f"stored state of task {stored.task_id} holds no ternary "
-                               "snapshot; send one")
-    packed.restore(snapshot=stored.snapshot, snapshot_version=stored.snapshot_version,
-                   snapshot_checksum=stored.snapshot_checksum, state=stored.state,
-                   version=stored.version, checksum=stored.checksum)
-
-
-def _stored_packed(packed: PackedTernary, task_id: str) -> StoredState:
-    assert packed.version is not None and packed.scope is not None
-    return StoredState(task_id, packed.version, packed.checksum, state_bytes(packed.scope),
-                       packed.snapshot, packed.snapshot_version, packed.snapshot_checksum)
-
-
 class Device:
-    """One device of one task: its model, where its state persists, and what it does."""
+    """One device of one task: its backend, where its state persists, and what it does."""
 
     def __init__(self, spec: TaskSpec, task_id: str, store: StateStore | None = None,
                  personal: PersonalConfig | None = None,
-                 features: FeatureStore | None = None) -> None:
-        """`features`: a feature store shared with other processes (a simulation's run
-        directory, seedfed/features.py); None, every real device: its own cache only. Either
-        way the cached rows are the same bits (shared.models.FEATURE_GROUP)."""
+                 features: FeatureStore | None = None, *,
+                 backend: Backend | BackendConfig | None = None) -> None:
+        """`backend`: a built backend, or the config of one (None: torch on the CPU).
+        `features` (torch backend): a feature store shared with other processes (a
+        simulation's run directory, seedfed/features.py); None, every real device: its own
+        cache only. Either way the cached rows are the same bits."""
         self.spec, self.task_id = spec, task_id
-        self.model: Fp32Model | PackedTernary = (
-            PackedTernary(spec) if is_ternary(spec) else Fp32Model(spec))
-        if isinstance(self.model, Fp32Model):
-            share_features(self.model.bundle.model, features)
-        self._warm = features is not None
-        # Example sets already named to the feature cache (`expect_texts`), by identity.
-        self._expected: dict[int, data_mod.Examples] = {}
+        if backend is None or isinstance(backend, BackendConfig):
+            from seedfed.client.backends.select import open_backend
+
+            backend = open_backend(spec, backend or BackendConfig(), features=features)
+        elif features is not None:
+            raise ValueError("features= goes to the backend when it is built; give a "
+                             "BackendConfig, or build the backend with it")
+        self.backend: Backend = backend
         self.store: StateStore = store or MemoryStore()
         # Built now, before any snapshot: it keeps the prototype head as the local-only start.
-        # A ternary task (a causal LM) has no class head to personalize.
-        self.personal: PersonalPart | None = None
-        if personal is not None and personal.enabled and isinstance(self.model, Fp32Model):
+        self.personal: PersonalHead | None = None
+        if personal is not None and personal.enabled:
             try:
-                self.personal = PersonalPart(personal, self.model.bundle, task_id)
+                self.personal = backend.personal_part(personal, task_id)
             except ScopeError as e:  # a model without a class head: nothing to personalize
                 log.warning("task %s: no personal part (%s)", task_id, e)
+            if self.personal is None:
+                log.warning("task %s: this model has no personal part", task_id)
         # The store the personal part was last read from: an adapter that serves several
         # virtual devices with one Device (a simulation's Flower actor) swaps the store per
         # message, and the personal part must follow it like the shared state does.
@@ -210,30 +122,26 @@ class Device:
 
     @property
     def version(self) -> int | None:
-        """The version the model holds; None: nothing trusted (the next sync needs a
+        """The version the backend holds; None: nothing trusted (the next sync needs a
         snapshot)."""
-        return self.model.version
+        return self.backend.version
 
     @property
     def checksum(self) -> str:
-        return self.model.checksum
+        return self.backend.checksum
 
     @property
     def snapshot_format(self) -> str:
         """The snapshot this device loads: fp32 state, or a ternary task's packed one."""
-        return SNAPSHOT_FORMAT if isinstance(self.model, PackedTernary) else FP32
-
-    @property
-    def bundle(self) -> ModelBundle:
-        return self.model.bundle
+        return self.backend.snapshot_format
 
     def invalidate(self) -> None:
-        """Stop trusting the model's state (after a failure)."""
-        self.model.forget()
+        """Stop trusting the backend's state (after a failure)."""
+        self.backend.forget()
 
     @contextmanager
     def _trusted_only(self) -> Iterator[None]:
-        """A failure inside leaves the model half-known: trust nothing, so the next sync
+        """A failure inside leaves the state half-known: trust nothing, so the next sync
         takes a snapshot."""
         try:
             yield
@@ -243,7 +151,7 @@ class Device:
 
     # -- catching up ---------------------------------------------------------------------------
     def resume(self) -> bool:
-        """Bring back the store's state unless the model holds it already; False when the
+        """Bring back the store's state unless the backend holds it already; False when the
         store holds none of this task. A stored state that does not verify invalidates the
         device and raises DeviceStateError (a snapshot settles it)."""
         try:
@@ -258,10 +166,7 @@ class Device:
         if (self.version, self.checksum) == (stored.version, stored.checksum):
             return True
         try:
-            if isinstance(self.model, PackedTernary):
-                _restore_packed(self.model, stored)
-            else:
-                self.model.restore(stored)
+            self.backend.restore(stored)
         except SeedfedError as e:
             self.invalidate()
             raise DeviceStateError(f"stored state of task {self.task_id} v{stored.version} "
@@ -292,22 +197,33 @@ class Device:
             raise DeviceStateError(f"task {self.task_id} devices load {self.snapshot_format} "
                                    f"snapshots, not {fmt}")
         with self._trusted_only():
-            self.model.load_snapshot(data, version, checksum)
+            self.backend.load_snapshot(data, version, checksum)
         self._save()
         return SyncResult(version, checksum, "snapshot")
 
     def sync(self, target: int, *, entries: Sequence[LogEntry] = (),
              fetch: Fetch | None = None) -> SyncResult:
-        """Reach `target`: nothing to do, replay `entries` (inside a mask epoch, for a ternary
-        task), else load the snapshot `fetch()` downloads; without `fetch` that raises."""
+        """Reach `target`: nothing to do, replay `entries` when they reach it from here (a
+        ternary task: inside a mask epoch), else load the snapshot `fetch()` downloads;
+        without `fetch` that raises."""
         self._follow_store(read=True)
         if self.version == target:
             return SyncResult(target, self.checksum, "none")
         with self._trusted_only():
-            result = self.model.sync(task_id=self.task_id, target=target, entries=entries,
-                                     fetch=fetch or self._no_snapshot(target))
+            result = self._reach(target, entries, fetch or self._no_snapshot(target))
         self._save()
         return result
+
+    def _reach(self, target: int, entries: Sequence[LogEntry], fetch: Fetch) -> SyncResult:
+        if self.version is not None and self.version <= target and entries:
+            try:
+                return self.backend.replay(task_id=self.task_id, entries=entries,
+                                           target=target)
+            except (ChecksumMismatchError, LogEntryMismatchError) as e:
+                log.warning("replay failed (%s); loading a snapshot", e)
+        data, chk = fetch()
+        self.backend.load_snapshot(data, target, chk)
+        return SyncResult(target, self.checksum, "snapshot")
 
     def _no_snapshot(self, target: int) -> Fetch:
         def refuse() -> tuple[bytes, str]:
@@ -319,10 +235,7 @@ class Device:
         return refuse
 
     def _save(self) -> None:
-        if isinstance(self.model, PackedTernary):
-            self.store.save(_stored_packed(self.model, self.task_id))
-            return
-        stored = self.model.stored(self.task_id)
+        stored = self.backend.stored(self.task_id)
         if self.personal is not None:
             stored = replace(stored, personal=self.personal.to_bytes())
         self.store.save(stored)
@@ -336,50 +249,25 @@ class Device:
                 self._save()
 
     # -- a round ---------------------------------------------------------------------------------
-    def train(self, plan: RoundPlan, examples: data_mod.Examples, data: DeviceData) -> Trained:
+    def train(self, plan: RoundPlan, examples: Examples, data: DeviceData) -> Trained:
         """Run the plan's steps on the device's training set from the plan's version (synced
         first) and return to that version exactly."""
         if self.version != plan.version:
             raise DeviceStateError(f"device is at v{self.version}, the plan at v{plan.version}")
         self._follow_store(read=True)
-        bundle = self.bundle
-        self._expect(examples)
-        rng = np.random.default_rng([data.seed, data.partition_id, plan.round])
-        batches = data_mod.batches_for(bundle.spec.model_kind, examples, bundle.tokenizer,
-                                       plan.batch_size, bundle.spec.max_seq_len, rng)
-        result = self.model.trainer.run(plan, batches)
-        if checksum(bundle.scope) != self.checksum:  # the trainer must have put v back
-            self.invalidate()
-            raise DeviceStateError(f"local steps did not restore v{plan.version} exactly")
+        trained = self.backend.train(plan, examples, data)  # DeviceStateError: it forgot
         if self.personal is not None:
             # after the shared steps, at the plan's version: nothing here reaches the upload
             self.personal.train(examples, np.random.default_rng(
                 [data.seed, data.partition_id, plan.round, 0x9E75]))
             self._save()
-        # The aggregation weight is the size of the local training set (FedAvg's n_k, Flower's
-        # num-examples), not the examples of this round's batches: every device probes the
-        # same batch size, so weighting by batch would weigh a 14-example device like a
-        # 1,400-example one, and with Dirichlet label skew the fleet would then train a
-        # different objective than the union of its data (2 points of SST-2 accuracy;
-        # docs/accuracy.md).
-        return Trained(result.scalars, len(examples), result.loss)
+        return trained
 
-    def _expect(self, examples: data_mod.Examples) -> None:
-        """Name the device's own examples to the feature cache once: the canonical groups it
-        encodes are then filled with sentences it will need, not repeats. With a shared
-        feature store (a simulation, whose processes serve every device's data) they are
-        cached at once, in full groups or from the store. Speed only, never a bit."""
-        if id(examples) not in self._expected and isinstance(self.model, Fp32Model):
-            self._expected[id(examples)] = examples  # held: the id stays this object's
-            expect_texts(self.bundle.model, self.bundle.tokenizer, examples.texts,
-                         self.spec.max_seq_len, now=self._warm)
-
-    def evaluate(self, examples: data_mod.Examples) -> tuple[float, float]:
+    def evaluate(self, examples: Examples) -> tuple[float, float]:
         """(accuracy, mean loss) of the model it holds on a local held-out set."""
-        self._expect(examples)
-        return local_accuracy(self.bundle, examples)
+        return self.backend.evaluate(examples)
 
-    def evaluate_personal(self, examples: data_mod.Examples) -> PersonalScores | None:
+    def evaluate_personal(self, examples: Examples) -> PersonalScores | None:
         """Held-out accuracy of the shared model alone, shared + personal, and the local-only
         reference; None without a personal part or examples."""
         if self.personal is None:

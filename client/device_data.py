@@ -18,7 +18,7 @@ from seedfed.client import data as data_mod
 from seedfed.client import tastes
 
 if TYPE_CHECKING:  # torch loads only to score a torch model: the ORT device shares the data
-    from seedfed.shared.model.models import ModelBundle
+    from seedfed.shared.model.factory import ModelBundle
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,6 +163,15 @@ def dataset_splits(source: str, labels: data_mod.LabelSpace | None = None) -> da
 
 
 
+def on_model_device(batch: dict[str, Any], model: Any) -> dict[str, Any]:
+    """A tokenized batch (drawn on the CPU: the same ids everywhere) where the model's
+    parameters are (the torch backend's `torch_device`)."""
+    device = next(iter(model.parameters())).device
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 @_no_grad
 def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                    batch_size: int = 32) -> tuple[float, float]:
@@ -175,8 +184,9 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
     if bundle.spec.model_kind == "causal_lm":
         return _next_token_accuracy(bundle, examples, batch_size)
     correct, loss_sum = 0, 0.0
-    for batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
-                                       bundle.spec.max_seq_len):
+    for cpu_batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
+                                           bundle.spec.max_seq_len):
+        batch = on_model_device(cpu_batch, bundle.model)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = bundle.model(**inputs).logits.float()
         loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"],
@@ -195,7 +205,7 @@ def _next_token_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
     loss_sum = 0.0
     for raw in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
                                      bundle.spec.max_seq_len):
-        batch = data_mod.lm_targets(raw)
+        batch = on_model_device(data_mod.lm_targets(raw), bundle.model)
         logits = bundle.model(input_ids=batch["input_ids"],
                               attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
         target = batch["labels"][:, 1:]

@@ -15,16 +15,19 @@ torch's model.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from seedfed.client import data as data_mod
+from seedfed.client.backends.base import BackendConfig, DeviceStateError
 from seedfed.client.data import load_labelled
-from seedfed.client.device import Device, DeviceStateError
+from seedfed.client.device import Device
 from seedfed.client.evaluate import load_task
-from seedfed.client.http_device import META_FILE, TASK_FILE, DirectoryStore
-from seedfed.client.personal import PersonalConfig, PersonalScores
+from seedfed.client.http_device import META_FILE, STATE_FILE, TASK_FILE, DirectoryStore
+from seedfed.client.personal import PersonalConfig, PersonalPart, PersonalScores
+from seedfed.shared.protocol.errors import ChecksumMismatchError
+from seedfed.shared.protocol.npzo import np_checksum
 
 
 @dataclass(frozen=True)
@@ -45,22 +48,20 @@ def evaluate_device(state_dir: str | Path, data: str | Path, *, model: str | Non
         raise FileNotFoundError(f"{state_dir} is not a device state directory (needs "
                                 f"{META_FILE}; run `seedfed device` first)")
     meta = _meta(state_dir)
+    task_id = str(meta["task_id"])
     if meta.get("backend") == "ort" or not (state_dir / TASK_FILE).is_file():
         return _evaluate_ort(state_dir, meta, data, bundle=model, limit=limit)
     spec = load_task(state_dir / TASK_FILE)
-    if model:
-        spec = replace(spec, model_path=model)
-    task_id = str(meta["task_id"])
     device = Device(spec, task_id, DirectoryStore(state_dir, task_id),
-                    personal=personal or PersonalConfig())
+                    personal=personal or PersonalConfig(), backend=BackendConfig(model=model))
     if not device.resume() or device.version is None:
         raise DeviceStateError(f"{state_dir} holds no shared state of task {task_id} yet")
     examples = _examples(data, limit, spec.num_labels)
     scores = device.evaluate_personal(examples)
-    if scores is None or device.personal is None:
+    part = device.personal
+    if scores is None or not isinstance(part, PersonalPart):
         raise ValueError(f"{data} holds no examples")
-    return DeviceScore(device.version, scores, device.personal.personal is not None,
-                       device.personal.refused)
+    return DeviceScore(device.version, scores, part.personal is not None, part.refused)
 
 
 def _meta(state_dir: Path) -> dict[str, Any]:
@@ -88,12 +89,10 @@ def _examples(data: str | Path, limit: int | None, num_labels: int) -> data_mod.
 def _evaluate_ort(state_dir: Path, meta: dict[str, Any], data: str | Path, *,
                   bundle: str | None, limit: int | None) -> DeviceScore:
     """An ORT device's shared state, scored on its bundle: no personal part (personal =
-    shared), the version and checksum of its device.json verified."""
-    from seedfed.client.ort.device import read_state, score_state
-    from seedfed.client.ort.http import STATE_FILE
-    from seedfed.client.ort.runtime import OrtModel
-    from seedfed.shared.protocol.errors import ChecksumMismatchError
-    from seedfed.shared.protocol.npzo import np_checksum
+    shared), the version and checksum of its device.json verified. A directory without
+    task.json is scored against the task its bundle was exported for."""
+    from seedfed.client.backends.ort.backend import read_state, score_state
+    from seedfed.client.backends.ort.runtime import OrtModel
 
     root = bundle or meta.get("bundle")
     if not root:
@@ -103,15 +102,15 @@ def _evaluate_ort(state_dir: Path, meta: dict[str, Any], data: str | Path, *,
     ort_model = OrtModel(root)
     if (state_dir / TASK_FILE).is_file():
         ort_model.manifest.check_spec(load_task(state_dir / TASK_FILE))
-    stored = state_dir / STATE_FILE
-    if meta.get("version") is None or not stored.is_file():
+    stored = DirectoryStore(state_dir, str(meta["task_id"])).load()
+    if stored is None or stored.state is None:
         raise DeviceStateError(f"{state_dir} holds no shared state of task "
                                f"{meta['task_id']} yet")
-    state = read_state(stored.read_bytes(), ort_model)
-    if np_checksum(state) != meta.get("checksum"):
-        raise ChecksumMismatchError(f"{stored} does not hash to the checksum in "
-                                    f"{state_dir / META_FILE}; run the device to resync it")
+    state = read_state(stored.state, ort_model)
+    if np_checksum(state) != stored.checksum:
+        raise ChecksumMismatchError(f"{state_dir / STATE_FILE} does not hash to the checksum "
+                                    f"in {state_dir / META_FILE}; run the device to resync it")
     examples = _examples(data, limit, int(ort_model.manifest.spec["num_labels"]))
     accuracy, _ = score_state(ort_model, state, examples)
-    return DeviceScore(int(meta["version"]), PersonalScores(accuracy, accuracy, None,
-                                                            len(examples)), False, None)
+    return DeviceScore(stored.version, PersonalScores(accuracy, accuracy, None, len(examples)),
+                       False, None)

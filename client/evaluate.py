@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from seedfed.client.data import Examples, load_labelled, tokenize
-from seedfed.shared.model.models import ModelBundle, build_model
+from seedfed.shared.model.factory import ModelBundle, build_model
 from seedfed.shared.protocol.task import TaskSpec
 
 #: Texts per forward when scoring; sorted by length so padding stays small.

@@ -2,8 +2,9 @@
 
 The messages are `seedfed.shared.protocol.records` (TrainIns / TrainRes, SyncIns / SyncRes), the
 classes the ServerApp strategy (`seedfed.server.flower_strategy`) writes and reads. The device
-itself (model, catch-up, training, scoring) is `client.device.Device`; this module is its
-Flower transport and its state store in the node's Context.
+itself (catch-up, training, scoring) is `client.device.Device` on the torch backend, on the
+CPU (`client.backends.torch`); this module is its Flower transport and its state store in the
+node's Context.
 
 A device that cannot reach the target (gap in the log, checksum mismatch) raises; Flower turns
 that into an error reply and the strategy sends it a snapshot next time.
@@ -31,17 +32,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from seedfed.client import data as data_mod
-from seedfed.client.device import Device, DeviceStateError, StoredState
+from seedfed.client.backends.base import BackendConfig, DeviceStateError, StoredState, SyncResult
+from seedfed.client.device import Device
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.personal import PersonalConfig
-from seedfed.client.sync import SyncResult
-from seedfed.shared.model.models import FeatureStore
+from seedfed.shared.model.features import FeatureStore
 from seedfed.shared.protocol.records import CatchUp, SyncIns, SyncRes, TrainIns, TrainRes
 from seedfed.shared.protocol.task import TaskSpec
 
@@ -86,8 +87,9 @@ class ContextStore:
 
     def save(self, state: StoredState) -> None:
         assert self.task_json is not None
-        fields = {"task-id": state.task_id, "task": self.task_json, "version": state.version,
-                  "checksum": state.checksum, "state": state.state}
+        fields: dict[str, Any] = {"task-id": state.task_id, "task": self.task_json,
+                                  "version": state.version, "checksum": state.checksum,
+                                  "state": state.state}
         if state.snapshot is not None:
             fields.update({"ternary-snapshot": state.snapshot,
                            "ternary-snapshot-version": int(state.snapshot_version or 0),
@@ -114,19 +116,21 @@ class DeviceRuntime:
 
     def device(self, task_id: str, spec_json: str, local_model: str | None,
                personal: PersonalConfig | None = None,
-               features: FeatureStore | None = None) -> Device:
+               features: FeatureStore | None = None, torch_device: str = "cpu") -> Device:
         """The task's device; `local_model` is this node's own copy of the base weights
         (node_config `model`), used instead of the coordinator's `model_path`; `personal`
         its personal part (None: none); `features` a feature store shared beyond this
-        process (a simulation's; None: none)."""
+        process (a simulation's; None: none); `torch_device` where the torch backend runs
+        (`BackendConfig.torch_device`)."""
         key = (task_id + ":" + hashlib.sha256(spec_json.encode()).hexdigest()[:16] + ":"
-               + (local_model or "") + ":" + repr(personal))
+               + (local_model or "") + ":" + repr(personal) + ":" + torch_device)
         if key not in self._devices:
             spec = TaskSpec.from_dict(json.loads(spec_json))
             if local_model:
                 spec = replace(spec, model_path=local_model)
             # one task per device at a time
-            self._devices = {key: Device(spec, task_id, personal=personal, features=features)}
+            self._devices = {key: Device(spec, task_id, personal=personal, features=features,
+                                         backend=BackendConfig(torch_device=torch_device))}
         return self._devices[key]
 
     def examples(self, data: DeviceData) -> tuple[data_mod.Examples, data_mod.Examples]:
@@ -148,9 +152,11 @@ def node_personal(context: Context, default: PersonalConfig | None) -> PersonalC
 
 def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
                 personal: PersonalConfig | None = None,
-                features: FeatureStore | None = None) -> tuple[Device, SyncResult]:
+                features: FeatureStore | None = None,
+                torch_device: str = "cpu") -> tuple[Device, SyncResult]:
     """Bring this node's device to `target` from the message's snapshot, or from its stored
-    state plus the message's log entries, and remember the result in the node's Context."""
+    state plus the message's log entries, and remember the result in the node's Context.
+    The torch device is node_config `torch-device` over `torch_device`."""
     store = ContextStore(context)
     stored = store.stored_task()
     spec_json = catch_up.task or (stored[1] if stored is not None else None)
@@ -159,7 +165,8 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
                                "snapshot")
     local = context.node_config.get("model")
     device = RUNTIME.device(task_id, spec_json, str(local) if local else None,
-                            node_personal(context, personal), features)
+                            node_personal(context, personal), features,
+                            str(context.node_config.get("torch-device", torch_device)))
     store.task_json, device.store = spec_json, store  # this node's state, in this process
     loaded = None
     if catch_up.snapshot is not None:
@@ -173,10 +180,10 @@ def sync_device(task_id: str, catch_up: CatchUp, context: Context, target: int,
 
 def train(message: Message, context: Context, data: DeviceData,
           personal: PersonalConfig | None = None,
-          features: FeatureStore | None = None) -> Message:
+          features: FeatureStore | None = None, torch_device: str = "cpu") -> Message:
     ins = TrainIns.from_record(message.content)
     device, _ = sync_device(ins.task_id, ins.catch_up, context, ins.plan.version, personal,
-                            features)
+                            features, torch_device)
     mine = data.with_node_config(context.node_config)
     train_set, _ = RUNTIME.examples(mine)
     trained = device.train(ins.plan, train_set, mine)
@@ -191,12 +198,12 @@ def reply_content(scalars: np.ndarray, num_examples: int, loss: float) -> Record
 
 def evaluate(message: Message, context: Context, data: DeviceData,
              personal: PersonalConfig | None = None,
-             features: FeatureStore | None = None) -> Message:
+             features: FeatureStore | None = None, torch_device: str = "cpu") -> Message:
     """The sync phase: catch up to the new version, verify it, score the local held-out set
     (with a personal part: shared alone, shared + personal, local-only; as metrics)."""
     ins = SyncIns.from_record(message.content)
     device, result = sync_device(ins.task_id, ins.catch_up, context, ins.version, personal,
-                                 features)
+                                 features, torch_device)
     if result.checksum != ins.checksum:
         raise DeviceStateError(f"device reached v{result.version} with checksum "
                                f"{result.checksum[:16]}..., coordinator has "
@@ -215,21 +222,25 @@ def evaluate(message: Message, context: Context, data: DeviceData,
 
 def make_client_app(data: DeviceData | None = None,
                     personal: PersonalConfig | None = None,
-                    features: FeatureStore | None = None) -> ClientApp:
-    """A ClientApp whose devices read their data per `data` and keep the personal part
-    `personal` (None: none), both overridden by node_config. `features`: a feature store
-    its processes share (a simulation's run directory: one encoding per run; it must pickle,
-    it travels to the Ray actors with the app); None, every real device: none."""
+                    features: FeatureStore | None = None,
+                    torch_device: str = "cpu") -> ClientApp:
+    """A ClientApp whose devices read their data per `data`, keep the personal part
+    `personal` (None: none) and run the torch backend on `torch_device` (auto, cpu, cuda,
+    cuda:N), each overridden by node_config (`torch-device` for the last). `features`: a
+    feature store its processes share (a simulation's run directory: one encoding per run;
+    it must pickle, it travels to the Ray actors with the app); None, every real device:
+    none."""
+    BackendConfig(torch_device=torch_device)  # refuse a bad name here, not in every actor
     defaults = data or DeviceData()
     app = ClientApp()
 
     @app.train()
     def _train(message: Message, context: Context) -> Message:
-        return train(message, context, defaults, personal, features)
+        return train(message, context, defaults, personal, features, torch_device)
 
     @app.evaluate()
     def _evaluate(message: Message, context: Context) -> Message:
-        return evaluate(message, context, defaults, personal, features)
+        return evaluate(message, context, defaults, personal, features, torch_device)
 
     return app
 

@@ -9,10 +9,12 @@ The device keeps what it must survive a restart in its state directory: its id a
 It runs its own copy of the base model (`model`), so the coordinator's `model_path` never has to
 exist on the device.
 
-The device itself (model, catch-up, training) is `client.device.Device`; this module is its REST
-transport and its state directory (`DirectoryStore`). Before it enrolls (or, enrolled, before
-it polls) a device checks the coordinator, its token, its data against the task and its model
-(`prepare`, `client.preflight`): a device that cannot train never enrolls.
+The device itself (catch-up, training, scoring) is `client.device.Device` over the configured
+backend (`DeviceConfig.backend`: torch, or ort with `model` the task's ORT bundle and no
+torch imported); this module is its REST transport and its state directory
+(`DirectoryStore`). Before it enrolls (or, enrolled, before it polls) a device checks the
+coordinator, its token, its data against the task and its model (`prepare`,
+`client.preflight`): a device that cannot train never enrolls.
 
 A ternary task (scope "ternary") holds its model packed (`client.ternary.PackedTernary`) and
 downloads the published ternary snapshot (`?format=ternary`), never the fp32 master: at join
@@ -35,24 +37,32 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from seedfed.client import data as data_mod
 from seedfed.client import preflight
+from seedfed.client.backends.base import (
+    FP32,
+    BackendConfig,
+    DeviceStateError,
+    StoredState,
+    SyncResult,
+)
+from seedfed.client.backends.select import open_backend
 from seedfed.client.catchup import CatchupMeters, sync_by_cost
-from seedfed.client.device import FP32, Device, DeviceStateError, StoredState
+from seedfed.client.device import Device
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.endpoint import check_endpoint, poll_rounds
-from seedfed.client.personal import PersonalConfig
-from seedfed.client.sync import SyncResult
-from seedfed.client.ternary import PackedTernary
 from seedfed.shared.protocol.coordinator_client import CoordinatorClient, CoordinatorHttpError
-from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.errors import SeedfedError, UserError
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import DeviceMetrics, RoundPlan
+
+if TYPE_CHECKING:  # the personal part is the torch backend's (client.personal loads torch)
+    from seedfed.client.personal import PersonalConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +81,43 @@ DeviceHttpError = CoordinatorHttpError
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    url: str
-    task_id: str
-    state_dir: Path
-    join_token: str | None = None
-    model: str | None = None  # local base model directory; None: the task's model_path
-    data: DeviceData = field(default_factory=DeviceData)
-    poll_s: float = 2.0
-    timeout_s: float = 60.0
-    bandwidth: float = 2e6  # bytes/s assumed until the device has measured its own link
-    personal: PersonalConfig | None = None  # the device's personal part; None: none
+    """A REST device: where the coordinator is, which task, where its state lives, its data,
+    and the backend that runs its model."""
+
+    url: str = field(metadata={"help": "the coordinator's base URL (http:// or https://)"})
+    task_id: str = field(metadata={"help": "the task this device takes part in"})
+    state_dir: Path = field(metadata={"help": "where the device keeps its token and state"})
+    join_token: str | None = field(default=None, metadata={
+        "help": "the task's join token (first run only: the device keeps its own token)"})
+    model: str | None = field(default=None, metadata={
+        "help": "torch: local base model directory (None: the task's model_path); "
+                "ort: the task's ORT bundle (`seedfed ort-export`), required"})
+    data: DeviceData = field(default_factory=DeviceData, metadata={
+        "help": "the device's private examples and its share of them"})
+    poll_s: float = field(default=2.0, metadata={"help": "seconds between polls for a round"})
+    timeout_s: float = field(default=60.0, metadata={"help": "HTTP timeout in seconds"})
+    bandwidth: float = field(default=2e6, metadata={
+        "help": "bytes/s assumed until the device has measured its own link"})
+    personal: PersonalConfig | None = field(default=None, metadata={
+        "help": "the device's personal part (torch backend; None: none)"})
+    backend: str = field(default="torch", metadata={"help": BackendConfig.help()["kind"]})
+    torch_device: str = field(default="cpu", metadata={
+        "help": BackendConfig.help()["torch_device"]})
+    threads: int | None = field(default=None, metadata={"help": BackendConfig.help()["threads"]})
 
     def __post_init__(self) -> None:
         check_endpoint(self.url, self.task_id, poll_s=self.poll_s, timeout_s=self.timeout_s,
                        bandwidth=self.bandwidth)
+        self.backend_config()  # validates backend, model, torch_device, threads
+
+    def backend_config(self) -> BackendConfig:
+        return BackendConfig(kind=self.backend, model=self.model,
+                             torch_device=self.torch_device, threads=self.threads)
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each field's help text."""
+        return {f.name: str(f.metadata.get("help", "")) for f in fields(cls)}
 
 
 @dataclass
@@ -203,12 +236,6 @@ class HttpDevice:
         v = self.meta.get("version")
         return None if v is None else int(v)
 
-    @property
-    def ternary(self) -> PackedTernary | None:
-        """A ternary task's packed model, once built (None for other tasks)."""
-        model = None if self.device is None else self.device.model
-        return model if isinstance(model, PackedTernary) else None
-
     # -- lifecycle -----------------------------------------------------------------------------
     def prepare(self) -> None:
         """Check, before taking part, what a round needs: the data file, the coordinator and
@@ -251,21 +278,34 @@ class HttpDevice:
 
     def _build_device(self, raw: dict[str, Any]) -> None:
         spec = TaskSpec.from_dict(raw)
-        if self.config.model:
-            spec = replace(spec, model_path=self.config.model)
+        config = self.config.backend_config()
         try:
-            device = Device(spec, self.config.task_id, self.store, personal=self.config.personal)
-        except (OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
-            raise preflight.model_error(
-                e, spec.model_path, option="--model" if self.config.model else
-                "the task's model_path", hint="give --model this device's copy of the task's "
-                "base model (a Hugging Face directory: config.json, tokenizer, weights)") from e
+            backend = open_backend(spec, config)
+        except UserError:
+            raise
+        except (SeedfedError, OSError, ValueError, KeyError, RuntimeError, ImportError) as e:
+            # onnxruntime's own load errors are RuntimeError subclasses
+            raise self._model_error(e, spec) from e
         _write_atomic(self.state_dir / TASK_FILE, json.dumps(raw).encode())
-        self.device = device
+        self.meta.update(backend=config.kind)
+        if config.kind == "ort":  # `seedfed evaluate --device` scores on the same bundle
+            self.meta.update(bundle=str(Path(str(config.model)).resolve()))
+        self.device = Device(spec, self.config.task_id, self.store,
+                             personal=self.config.personal, backend=backend)
         try:
-            device.resume()
+            self.device.resume()
         except DeviceStateError as e:
             log.warning("%s; will download a snapshot", e)
+
+    def _model_error(self, e: BaseException, spec: TaskSpec) -> preflight.DeviceSetupError:
+        if self.config.backend == "ort":
+            return preflight.model_error(
+                e, str(self.config.model), option="--model", hint="export this task's bundle "
+                "with `seedfed ort-export --task SPEC.json --out DIR` and give DIR as --model")
+        return preflight.model_error(
+            e, self.config.model or spec.model_path, option="--model" if self.config.model
+            else "the task's model_path", hint="give --model this device's copy of the "
+            "task's base model (a Hugging Face directory: config.json, tokenizer, weights)")
 
     def sync(self, target: int | None = None) -> SyncResult:
         """Catch up to `target` (default: the task's current version), verified: the log or

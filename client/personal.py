@@ -48,8 +48,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 from seedfed.client import data as data_mod
+from seedfed.client.device_data import on_model_device
 from seedfed.client.personal_gate import EvidenceGate, gated
-from seedfed.shared.model.models import ModelBundle, classifier_module
+from seedfed.shared.model.factory import ModelBundle
+from seedfed.shared.model.head import classifier_module
 from seedfed.shared.protocol.errors import ScopeError, SeedfedError
 from torch import nn
 
@@ -79,7 +81,7 @@ class PersonalConfig:
     """How a device trains its personal part (device-side settings; never part of the task).
 
     Defaults measured on the per-device-taste task's validation split
-    (benchmarks/personalization.py, docs/personalization.md)."""
+    (`seedfed bench personalization`, docs/personalization.md)."""
 
     method: str = "residual"
     steps: int = 16  # ZO steps per round the device trains in
@@ -155,10 +157,11 @@ def head_module(model: nn.Module) -> nn.Linear:
 
 
 def shared_head(model: nn.Module) -> Head:
-    """The shared model's head as it stands (the version the device synced to)."""
+    """The shared model's head as it stands (the version the device synced to), on the CPU
+    where the personal part trains whatever device the model runs on."""
     head = head_module(model)
     bias = head.bias if head.bias is not None else torch.zeros(head.out_features)
-    return Head(head.weight.detach(), bias.detach())
+    return Head(head.weight.detach().cpu(), bias.detach().cpu())
 
 
 def _logits(theta: torch.Tensor, feats: torch.Tensor, labels: int) -> torch.Tensor:
@@ -179,10 +182,11 @@ def features(bundle: ModelBundle, examples: data_mod.Examples,
     try:
         for batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
                                            bundle.spec.max_seq_len):
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            inputs = on_model_device({k: v for k, v in batch.items() if k != "labels"},
+                                     bundle.model)
             captured.clear()
             bundle.model(**inputs)
-            feats = captured[-1].float()
+            feats = captured[-1].float().cpu()  # the personal head lives on the CPU
             yield feats.reshape(-1, feats.shape[-1]), batch["labels"]
     finally:
         handle.remove()
@@ -202,7 +206,7 @@ def model_fingerprint(bundle: ModelBundle) -> str:
     for name, p in _frozen(bundle):
         t = p.detach().contiguous()
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy().data)
     head = head_module(bundle.model)
     desc = {"identity": IDENTITY, "model_kind": spec.model_kind, "num_labels": spec.num_labels,
             "label_texts": list(spec.label_texts), "hidden": head.in_features,

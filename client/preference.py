@@ -15,12 +15,6 @@ from __future__ import annotations
 import numpy as np
 from seedfed.client.data import Examples
 
-#: Label descriptions for the prototype head (index = label).
-PREFERENCE_LABEL_TEXTS: tuple[str, ...] = (
-    "a suggestion I would not enjoy",
-    "a suggestion I would enjoy",
-)
-
 LIKED: tuple[str, ...] = (
     "a hike up the forest trail", "kayaking on the lake", "a camping trip in the mountains",
     "a bike ride along the river", "birdwatching in the nature reserve",

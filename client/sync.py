@@ -7,22 +7,23 @@ of the two is cheaper is the coordinator's call (it knows the log); `replay_cost
 coordinator's cost model, `shared.messages`) and `snapshot_cost_bytes` are the estimates a
 device without a catch-up plan uses.
 
-A ternary task adds one rule (`catch_up_ternary`): replay only inside a mask epoch; across an
-epoch start the device loads the published ternary snapshot, since its packed model holds no
+A ternary task adds one rule (`replayable_in_epoch`, applied by `client.ternary.PackedTernary`'s
+replay): replay only inside a mask epoch; across an epoch start the device
+(`client.device.Device`) loads the published ternary snapshot, since its packed model holds no
 latents outside its old mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from seedfed.shared.model.replay import LogEntry, checksum, replay
+from seedfed.client.backends.base import SyncResult
+from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.model.scopes import Scope
 from seedfed.shared.protocol.errors import (
     ChecksumMismatchError,
@@ -31,26 +32,10 @@ from seedfed.shared.protocol.errors import (
     WireFormatError,
 )
 from seedfed.shared.protocol.messages import replay_bytes
-from torch import nn
+from seedfed.shared.protocol.npzo import LogEntry
 
 if TYPE_CHECKING:  # the ternary package loads only for ternary tasks
     from seedfed.shared.model.ternary import MaskConfig, TernaryScope
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """Where a catch-up left the device: its version, checksum and how it got there."""
-
-    version: int
-    checksum: str
-    method: str  # "none" | "replay" | "snapshot"
-    entries_applied: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in ("none", "replay", "snapshot"):
-            raise ValueError(f"sync method must be none, replay or snapshot, got {self.method!r}")
-        if self.version < 0:
-            raise ValueError(f"version must be >= 0, got {self.version}")
 
 
 def replay_cost_bytes(entries: Sequence[LogEntry]) -> int:
@@ -133,37 +118,14 @@ def read_snapshot(data: bytes) -> dict[str, torch.Tensor]:
         raise WireFormatError(f"snapshot is not valid safetensors: {e}") from e
 
 
-def catch_up_ternary(model: nn.Module, scope: TernaryScope | None, *, task_id: str,
-                     version: int | None, target: int, config: MaskConfig,
-                     entries: Sequence[LogEntry],
-                     snapshot: Callable[[], tuple[Mapping[str, torch.Tensor], str]],
-                     ) -> tuple[TernaryScope, SyncResult]:
-    """Bring a ternary device (packed model) to `target`; returns the scope to train with next.
+def replayable_in_epoch(scope: TernaryScope, *, version: int, target: int, config: MaskConfig,
+                        entries: Sequence[LogEntry]) -> bool:
+    """Can a ternary device at `version` replay to `target`? Only inside the mask epoch its
+    scope holds: no epoch start in (version, target] and no entry announcing another epoch."""
+    from seedfed.shared.model.ternary import crosses_epoch
 
-    Replay works only inside a mask epoch: an epoch start changes the mask (and, with
-    `refresh_gamma`, every code), and the device holds no latents outside its old mask. So the
-    device replays `entries` when it holds a state of `target`'s epoch, and otherwise (no
-    state yet, an epoch start in (version, target], an entry announcing another epoch, or a
-    failed replay) loads the published snapshot of `target` that `snapshot()` fetches (its
-    tensors and the checksum the coordinator published for `target`, which they must hash
-    to). The returned scope replaces `scope` (a snapshot
-    rebuilds the layers, so a trainer bound to the old scope must be rebuilt too).
-    """
-    from seedfed.shared.model.ternary import crosses_epoch, load_published_ternary
-
-    if scope is not None and version is not None and version <= target and \
-            scope.epoch == config.epoch_of(version) and \
-            not crosses_epoch(config, version, target):
-        announced = {scope.epoch if e.mask_epoch is None else e.mask_epoch for e in entries
-                     if version <= e.base_version < target}
-        if announced <= {scope.epoch}:
-            try:
-                return scope, catch_up(scope, task_id=task_id, version=version,
-                                       entries=entries, target=target)
-            except (ChecksumMismatchError, LogEntryMismatchError):
-                pass  # diverged or a gap in the log: the snapshot below settles it
-    tensors, target_checksum = snapshot()
-    fresh = load_published_ternary(model, tensors, config=config,
-                                   epoch=config.epoch_of(target),
-                                   expected_checksum=target_checksum)
-    return fresh, SyncResult(target, target_checksum, "snapshot")
+    if scope.epoch != config.epoch_of(version) or crosses_epoch(config, version, target):
+        return False
+    announced = {scope.epoch if e.mask_epoch is None else e.mask_epoch for e in entries
+                 if version <= e.base_version < target}
+    return announced <= {scope.epoch}

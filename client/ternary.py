@@ -1,6 +1,6 @@
 """A device on a ternary (TerMeZO) task: the packed model, its sync and what a restart needs.
 
-Both device front ends (Flower ClientApp and plain HTTP) use this. A ternary device never
+It is a model kind of the torch backend (`client.backends.torch`). A ternary device never
 holds the fp32 model, not even while it starts: `shared.ternary.build_packed_model` builds the
 task's model from its config with the ternary layers (those the coordinator converts, Linear
 -> BitLinear) as empty packed modules and reads only the other tensors (embeddings, norms, LM
@@ -9,10 +9,11 @@ the coordinator's published ternary snapshot (`?format=ternary`, never the fp32 
 which for ternary holds every latent). Until the first snapshot loads the model holds no codes
 and must not run (`bundle` and `trainer` refuse; a forward raises). z covers the masked
 latents only (and, with `train_head`, a classifier's float head). A `seq_cls` task's model is
-the mean-pooled encoder + head of `shared.models`; its head comes with every snapshot.
+the mean-pooled encoder + head of `shared.model.classifier`; its head comes with every snapshot.
 
-Sync is `client.sync.catch_up_ternary`: replay inside a mask epoch, the published snapshot of
-the target across an epoch start (checksum verified either way).
+Sync follows `client.sync.replayable_in_epoch`'s rule (`replay` here, the snapshot in
+`client.device.Device`): replay inside a mask epoch, the published snapshot of the target
+across an epoch start (checksum verified either way).
 
 Restart state. The masked latents alone cannot rebuild the packed model (the codes of the
 other weights and gamma come from the snapshot), so a device keeps two things:
@@ -30,30 +31,27 @@ model's size (about 2 bits per weight plus the mask), the same as what the devic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from seedfed.client.sync import SyncResult, catch_up_ternary, load_state, read_snapshot
+from seedfed.client.backends.base import DeviceStateError, SyncResult
+from seedfed.client.sync import catch_up, load_state, read_snapshot, replayable_in_epoch
 from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, classification_loss
-from seedfed.shared.model.models import ModelBundle, load_tokenizer, set_pad_token_id
-from seedfed.shared.model.replay import LogEntry
+from seedfed.shared.model.factory import ModelBundle
+from seedfed.shared.model.hf import load_tokenizer, set_pad_token_id
 from seedfed.shared.model.ternary import (
     MaskConfig,
     TernaryScope,
     build_packed_model,
     load_published_ternary,
 )
-from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.errors import LogEntryMismatchError
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.scope_options import TernaryOptions
 from seedfed.shared.protocol.task import TaskSpec
 
 #: The `?format=` of the snapshot a ternary device downloads (the task's published format).
 SNAPSHOT_FORMAT = "ternary"
-
-
-class TernaryDeviceError(SeedfedError, RuntimeError):
-    """The packed model cannot reach the requested version with what it holds and was sent."""
 
 
 def is_ternary(spec: TaskSpec) -> bool:
@@ -79,12 +77,14 @@ class PackedTernary:
         assert isinstance(spec.scope_options, TernaryOptions)
         return spec.scope_options
 
+    snapshot_format = SNAPSHOT_FORMAT
+
     def __init__(self, spec: TaskSpec) -> None:
         if not is_ternary(spec):
             raise ValueError(f"task scope is {spec.scope!r}, not 'ternary'")
         tokenizer = load_tokenizer(Path(spec.model_path))
         if tokenizer is None:
-            raise TernaryDeviceError(f"{spec.model_path} has no tokenizer; a device needs one "
+            raise DeviceStateError(f"{spec.model_path} has no tokenizer; a device needs one "
                                      "to turn its texts into tokens")
         # The layers the coordinator's scope converts, with its act_bits, as empty packed
         # BitLinear modules; no fp32 ternary matrix is ever read.
@@ -108,14 +108,14 @@ class PackedTernary:
     def bundle(self) -> ModelBundle:
         """The model as a ModelBundle (for batches and local scoring); needs a loaded scope."""
         if self.scope is None:
-            raise TernaryDeviceError("the packed model holds no snapshot yet")
+            raise DeviceStateError("the packed model holds no snapshot yet")
         return ModelBundle(model=self.model, tokenizer=self.tokenizer, scope=self.scope,
                            spec=self.spec)
 
     @property
     def trainer(self) -> LocalTrainer:
         if self.scope is None:
-            raise TernaryDeviceError("the packed model holds no snapshot yet")
+            raise DeviceStateError("the packed model holds no snapshot yet")
         if self._trainer is None or self._trainer.scope is not self.scope:
             self._trainer = LocalTrainer(self.model, self.scope, self.loss)
         return self._trainer
@@ -135,26 +135,19 @@ class PackedTernary:
         self.snapshot, self.snapshot_version, self.snapshot_checksum = data, version, checksum
         return SyncResult(version, checksum, "snapshot")
 
-    def sync(self, *, task_id: str, target: int, entries: Sequence[LogEntry],
-             fetch: Callable[[], tuple[bytes, str]]) -> SyncResult:
-        """`catch_up_ternary` from where the device stands: `entries` inside a mask epoch,
-        else the published snapshot of `target` that `fetch()` downloads (its bytes and the
-        checksum the coordinator published for `target`)."""
-        fetched: list[tuple[bytes, str]] = []
-
-        def snapshot() -> tuple[dict[str, torch.Tensor], str]:
-            fetched.append(fetch())
-            return read_snapshot(fetched[-1][0]), fetched[-1][1]
-
-        scope, result = catch_up_ternary(
-            self.model, self.scope if self.version is not None else None, task_id=task_id,
-            version=self.version, target=target, config=self.config, entries=entries,
-            snapshot=snapshot)
-        self.scope = scope if scope is self.scope else self._adopt(scope)
+    def replay(self, *, task_id: str, entries: Sequence[LogEntry], target: int) -> SyncResult:
+        """Replay `entries` to `target` inside the mask epoch it stands in; across an epoch
+        start (or an entry announcing another epoch) LogEntryMismatchError: the published
+        snapshot of `target` settles it (`client.sync.replayable_in_epoch`)."""
+        if self.scope is None or self.version is None:
+            raise LogEntryMismatchError(f"task {task_id}: no ternary state to replay into")
+        if not replayable_in_epoch(self.scope, version=self.version, target=target,
+                                   config=self.config, entries=entries):
+            raise LogEntryMismatchError(f"task {task_id}: v{self.version} -> v{target} leaves "
+                                        "the mask epoch; load the published snapshot")
+        result = catch_up(self.scope, task_id=task_id, version=self.version, entries=entries,
+                          target=target)
         self.version, self.checksum = result.version, result.checksum
-        if result.method == "snapshot":
-            self.snapshot, self.snapshot_checksum = fetched[-1]
-            self.snapshot_version = target
         return result
 
     def _adopt(self, scope: TernaryScope) -> TernaryScope:
@@ -174,14 +167,14 @@ class PackedTernary:
         epochs or either fails its checksum."""
         if self.config.epoch_of(snapshot_version) != self.config.epoch_of(version) or \
                 snapshot_version > version:
-            raise TernaryDeviceError(f"stored snapshot v{snapshot_version} cannot restore "
+            raise DeviceStateError(f"stored snapshot v{snapshot_version} cannot restore "
                                      f"v{version} (another mask epoch)")
         self.forget()
         self.load_snapshot(snapshot, snapshot_version, snapshot_checksum)
         self.version = None  # until the latents of `version` verify
         if version != snapshot_version or checksum != snapshot_checksum:
             if state is None:
-                raise TernaryDeviceError(f"no stored latents of v{version}")
+                raise DeviceStateError(f"no stored latents of v{version}")
             assert self.scope is not None
             load_state(self.scope, state, checksum)
         self.version, self.checksum = version, checksum

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from seedfed.client.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
+from seedfed.shared.model.classifier import prime_features
 from seedfed.shared.model.estimator import StepResult, ZOConfig, spsa_step
-from seedfed.shared.model.models import prime_features
-from seedfed.shared.model.perturb import Perturber
-from seedfed.shared.model.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
+from seedfed.shared.model.perturb import Mode, Perturber
 from seedfed.shared.model.scopes import Scope
 from seedfed.shared.protocol.wire import RoundPlan
 from torch import nn
@@ -139,7 +139,7 @@ class _ScopeStash:
         self._dir.cleanup()
 
 
-#: How a trainer runs a step's probes (see `seedfed.shared.model.probes`).
+#: How a trainer runs a step's probes (see `seedfed.client.probes`).
 PROBE_MODES: tuple[str, ...] = ("auto", "batched", "shared", "sequential")
 
 
@@ -155,7 +155,7 @@ class LocalTrainer:
     """
 
     def __init__(self, model: nn.Module, scope: Scope, loss_on_batch: LossOnBatch,
-                 mode: str = "auto", one_sided: bool = False, *, probes: str = "auto",
+                 mode: Mode = "auto", one_sided: bool = False, *, probes: str = "auto",
                  copy_losses: CopyLosses | None = None, max_copies: int | None = None,
                  budget_mb: float = DEFAULT_BUDGET_MB) -> None:
         if probes not in PROBE_MODES:

@@ -33,8 +33,9 @@ def _spec(model: Path, scope: str) -> Any:
 
 def record(model: Path, out: Path, entries: int, seeds: int, scope: str) -> dict[str, Any]:
     from seedfed.client.sync import state_bytes
-    from seedfed.shared.model.models import build_model
-    from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+    from seedfed.shared.model.factory import build_model
+    from seedfed.shared.model.replay import apply_seeds, checksum
+    from seedfed.shared.protocol.npzo import LogEntry
 
     spec = _spec(model, scope)
     bundle = build_model(spec, initialize=True)
@@ -57,8 +58,9 @@ def record(model: Path, out: Path, entries: int, seeds: int, scope: str) -> dict
 
 def verify(model: Path, recorded: Path) -> dict[str, Any]:
     from seedfed.client.sync import load_state
-    from seedfed.shared.model.models import build_model
-    from seedfed.shared.model.replay import LogEntry, checksum, replay
+    from seedfed.shared.model.factory import build_model
+    from seedfed.shared.model.replay import checksum, replay
+    from seedfed.shared.protocol.npzo import LogEntry
     from seedfed.shared.protocol.task import TaskSpec
 
     data = json.loads(recorded.read_text())

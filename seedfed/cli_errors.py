@@ -229,6 +229,8 @@ class ReportingGroup(TyperGroup):
             code = rv if isinstance(rv, int) else 0  # an Exit's status, else success
         except click.exceptions.Exit as e:
             code = e.exit_code
+        except click.exceptions.NoArgsIsHelpError:  # a group run bare: its help is the answer
+            code = 0
         except click.Abort:
             typer.echo(one_line("aborted"), err=True)
             code = FAILURE

@@ -32,15 +32,9 @@ import torch
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.evaluate import accuracy
 from seedfed.client.trainer import LocalTrainer, classification_loss
-from seedfed.shared.model.models import (
-    FEATURE_GROUP,
-    FeatureStore,
-    ModelBundle,
-    build_model,
-    expect_texts,
-    pooled_classifier,
-    share_features,
-)
+from seedfed.shared.model.classifier import expect_texts, pooled_classifier, share_features
+from seedfed.shared.model.factory import ModelBundle, build_model
+from seedfed.shared.model.features import FEATURE_GROUP, FeatureStore
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.protocol.scope_options import TernaryOptions
 from seedfed.shared.protocol.task import TaskSpec
@@ -225,16 +219,18 @@ def _round_rest_s(spec: TaskSpec, coordinator: ModelBundle, train: Examples,
     the whole `Device.train` (steps, personal part, state stored; its store swapped each time,
     as a fleet's process does between the devices it serves) less the steps, plus replaying
     one log entry of the plan's seeds with its checksum."""
+    from seedfed.client.backends.torch import TorchBackend
     from seedfed.client.device import Device, MemoryStore
     from seedfed.client.device_data import DeviceData
     from seedfed.client.personal import PersonalConfig
     from seedfed.client.sync import state_bytes
 
     h = spec.hyper
+    backend = TorchBackend(spec)
     device = Device(spec, "estimate", MemoryStore(), personal=None if personal in (
-        None, "off") else PersonalConfig(method=str(personal)))
+        None, "off") else PersonalConfig(method=str(personal)), backend=backend)
     device.load_snapshot(state_bytes(coordinator.scope), 0, checksum(coordinator.scope))
-    expect_texts(device.bundle.model, device.bundle.tokenizer, train.texts, spec.max_seq_len,
+    expect_texts(backend.bundle.model, backend.bundle.tokenizer, train.texts, spec.max_seq_len,
                  now=True)
     seeds = [1 + i for i in range(perturbations)]
     plan = RoundPlan(task_id="estimate", round=1, version=0, seeds=[seeds] * h.steps, lr=h.lr,
@@ -245,13 +241,17 @@ def _round_rest_s(spec: TaskSpec, coordinator: ModelBundle, train: Examples,
         for _ in range(max(2, repeats)):  # the first also starts the personal part
             device.store = MemoryStore(device.store.load())
             whole.append(_timed(device.train, plan, train, DeviceData()))
-            steps.append(_timed(device.model.trainer.run, plan,
+            steps.append(_timed(backend.model.trainer.run, plan,
                                 itertools.repeat(next(iter(train_batches(
-                                    train, device.bundle.tokenizer, h.batch_size,
+                                    train, backend.bundle.tokenizer, h.batch_size,
                                     spec.max_seq_len, np.random.default_rng(0)))))))
         coefs = [1e-12] * perturbations  # a throwaway model: any entry costs the same
-        replay_s = _timed(lambda: (apply_seeds(coordinator.scope, seeds, coefs),
-                                   checksum(coordinator.scope)))
+
+        def replay() -> None:
+            apply_seeds(coordinator.scope, seeds, coefs)
+            checksum(coordinator.scope)
+
+        replay_s = _timed(replay)
     return max(0.0, min(whole[1:]) - min(steps[1:])) + replay_s
 
 

@@ -1,11 +1,11 @@
-"""One feature encoding per simulation: a `shared.models.FeatureStore` in the run directory.
+"""One feature encoding per simulation: a `shared.model.features.FeatureStore` in the run directory.
 
 A `MeanPoolClassifier` caches, per process, what the frozen encoder computes for a sentence.
 A simulation runs its devices in several Ray actors (and scores in the driver), so without a
 shared store every process encodes the sentences of every device it happens to serve. Because
-a cached row is computed in a canonical context (`shared.models.FEATURE_GROUP`), a row that one
-process computed is bit for bit the row any other would: sharing it changes no device's
-scalars, only who pays for the encoding.
+a cached row is computed in a canonical context (`shared.model.features.FEATURE_GROUP`), a
+row that one process computed is bit for bit the row any other would: sharing it changes no
+device's scalars, only who pays for the encoding.
 
 Layout: `<root>/<namespace>/<pid>-<nonce>.seg`, one append-only segment per process and model
 namespace; only its owner writes it. A record is a header (`SFF1`, key length, number of
@@ -220,7 +220,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
-    from seedfed.shared.model.models import build_model, pooled_classifier, share_features
+    from seedfed.shared.model.classifier import pooled_classifier, share_features
+    from seedfed.shared.model.factory import build_model
     from seedfed.shared.protocol.task import TaskSpec
 
     torch.set_num_threads(1)  # the canonical context encodes on one thread anyway
@@ -236,7 +237,7 @@ def _open_worker(root: str, spec_dict: dict[str, Any]) -> None:
 
 def _encode(texts: Sequence[str]) -> int:
     """One chunk of sentences, encoded into the store by this worker's model."""
-    from seedfed.shared.model.models import expect_texts
+    from seedfed.shared.model.classifier import expect_texts
 
     bundle = _WORKER["bundle"]
     if bundle is None:

@@ -1,6 +1,6 @@
 """The operator's commands: create and inspect tasks, open and close rounds, revoke devices.
 
-    seedfed task create --recipe sst2 --quorum 5          # prints the task id and join token
+    seedfed task create --recipe sst2 --set quorum=5      # prints the task id and join token
     seedfed task list | show ID
     seedfed round open ID | close ID [--round N] | abandon ID [N] --reason TEXT
     seedfed round schedule ID --auto|--manual [--rounds N | --no-limit]
@@ -11,17 +11,20 @@ Every command talks to a running coordinator (`--url`, or SEEDFED_URL) with the 
 by default, `--json` for scripts. A refusal is one line, the coordinator's status, error type
 and reason, the URL and what to do (`seedfed.cli_errors`), and exits 1. `build_spec` (a pure
 function) turns the create options into the TaskSpec the coordinator validates again on its
-side. A task created from a recipe is named after it unless `--name` is given, and scopes
-show as what they are (`head` for the recipes' classifier head, `scope_label`).
+side. Everything beyond the base, the scope, the format and the labels is a `--set key=value`
+(a TaskSpec field, a scope option or a `CreateSettings` field). A task created from a recipe
+is named after it unless `--name` is given, and scopes show as what they are (`head` for the
+recipes' classifier head, `scope_label`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +32,26 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from seedfed.admin_client import AdminClient
 from seedfed.cli_errors import OptionError, UsageError, make_app
 from seedfed.shared.protocol.coordinator_client import CoordinatorHttpError
 from seedfed.shared.protocol.errors import UserError
 from seedfed.shared.protocol.messages import Routes, TaskStatus
+from seedfed.shared.protocol.recipes import (
+    HEAD,
+    RECIPES,
+    SCOPES,
+    parse_set,
+    recipe,
+    resolve_recipe,
+)
 from seedfed.shared.protocol.redact import remember
-from seedfed.shared.protocol.scope_options import options_for
-from seedfed.shared.protocol.task import Hyper, TaskSpec
+from seedfed.shared.protocol.task import TaskSpec
 
 ADMIN_TOKEN_ENV = "SEEDFED_ADMIN_TOKEN"
 URL_ENV = "SEEDFED_URL"
-RECIPES = ("sst2", "preference", "tastes")
-#: `--scope head`: the recipes' head-only scope (named, patterns ["classifier"]).
-HEAD = "head"
 
 #: How a command reaches the coordinator: (base URL) -> an httpx client. Tests replace it
 #: with an in-process app's client.
@@ -67,94 +75,75 @@ ADMIN_TOKEN = typer.Option(None, "--admin-token", envvar=ADMIN_TOKEN_ENV, show_d
                            help=f"the coordinator's admin token (or {ADMIN_TOKEN_ENV})")
 TASK_ID = typer.Argument(..., help="the task's id (`seedfed task list`)")
 AS_JSON = typer.Option(False, "--json", help="print JSON instead of a table")
-PATTERNS = typer.Option([], "--pattern", help="named scope: a name substring (repeat)")
+SETS = typer.Option([], "--set", help=(
+    "key=value (repeat): a TaskSpec field (lr, eps, steps, perturbations, batch_size, "
+    "decay_rounds, lr_final_ratio, clip, one_sided, rule, clip_bound, trim, max_num_examples, "
+    "max_seq_len, ...), an option of the scope (patterns, ...), or quorum, round_timeout_s, "
+    "devices_per_round; a key two sections share is qualified (lora.alpha)"))
 LABELS = typer.Option([], "--label", help="label description (repeat, in label order)")
 
 
 # -- the task definition -------------------------------------------------------------------------
+#: The `--set` section of a task's coordinator settings (`task.quorum`, or `quorum`).
+SETTINGS = "task"
+
+
+@dataclass(frozen=True)
+class CreateSettings:
+    """How the coordinator runs a created task's rounds (`--set`, beside the TaskSpec's keys)."""
+
+    quorum: int = field(default=1, metadata={"help": "uploads that close a round"})
+    round_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds a round stays open waiting for its quorum"})
+    devices_per_round: int | None = field(default=None, metadata={
+        "help": "devices sampled per round (None: every device that asks)"})
+
+    def __post_init__(self) -> None:
+        if self.quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {self.quorum}")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s must be positive, got {self.round_timeout_s}")
+        if self.devices_per_round is not None and self.devices_per_round < 1:
+            raise ValueError(f"devices_per_round must be >= 1, got {self.devices_per_round}")
+
+
 @dataclass(frozen=True)
 class CreateOptions:
-    """What `task create` takes; None keeps the recipe's (or TaskSpec's) value."""
+    """What `task create` takes: the base (a recipe, TaskSpec's defaults on --model, or a
+    --spec file), the scope, the format, the labels and the `--set` items."""
 
     recipe: str | None = "sst2"
     model: str | None = None
     spec_file: Path | None = None
     scope: str | None = None
-    patterns: tuple[str, ...] = ()
     fmt: str | None = None
-    lr: float | None = None
-    decay_rounds: int | None = None
-    lr_final_ratio: float | None = None
-    eps: float | None = None
-    steps: int | None = None
-    perturbations: int | None = None
-    batch_size: int | None = None
-    clip: float | None = None
-    one_sided: bool | None = None
-    aggregation: str | None = None
-    clip_bound: float | None = None
-    trim: float | None = None
-    max_num_examples: int | None = None
     label_texts: tuple[str, ...] = ()
+    sets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.recipe is not None and self.recipe not in RECIPES:
-            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.recipe is not None:
+            recipe(self.recipe)  # ValueError listing the recipes
         if self.recipe is None and self.model is None and self.spec_file is None:
             raise ValueError("give --recipe, --model or --spec")
 
 
-def _base_spec(o: CreateOptions) -> TaskSpec:
-    if o.spec_file is not None:
-        return TaskSpec.from_dict(json.loads(o.spec_file.read_text("utf-8")))
-    if o.recipe is not None:
-        from seedfed.client import recipes
-
-        fmt = o.fmt or "fp32"
-        if o.recipe == "sst2":
-            return recipes.sst2_recipe(o.model, fmt=fmt if fmt in recipes.RECIPE_FORMATS
-                                       else "fp32").spec
-        if o.recipe == "tastes":
-            return recipes.tastes_recipe(o.model).spec
-        return recipes.preference_recipe(o.model).spec
-    assert o.model is not None
-    return TaskSpec(model_path=o.model)
-
-
-def build_spec(o: CreateOptions) -> TaskSpec:
-    """The TaskSpec of `task create`: the base (a TaskSpec JSON file, a recipe, or TaskSpec's
-    defaults on `--model`), then each option given. A scope other than the base's starts from
-    TaskSpec's conservative lr and eps (a head-sized lr makes LoRA diverge), as `simulate`."""
-    spec = _base_spec(o)
-    if o.model is not None:
-        spec = replace(spec, model_path=o.model)
-    if o.scope is not None:
-        kind = "named" if o.scope == HEAD else o.scope
-        patterns = o.patterns or (("classifier",) if o.scope == HEAD else ())
-        options = options_for(kind, {"patterns": list(patterns)} if patterns else {})
-        if (kind, options) != (spec.scope, spec.scope_options):
-            spec = replace(spec, scope=kind, scope_options=options, step_scales=(),
-                           hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps,
-                                         decay_rounds=None))
-    elif o.patterns:
-        spec = replace(spec, scope_options=options_for(spec.scope,
-                                                       {"patterns": list(o.patterns)}))
-    hyper = {k: v for k, v in (("lr", o.lr), ("decay_rounds", o.decay_rounds),
-                               ("lr_final_ratio", o.lr_final_ratio), ("eps", o.eps),
-                               ("steps", o.steps),
-                               ("perturbations", o.perturbations),
-                               ("batch_size", o.batch_size), ("clip", o.clip),
-                               ("one_sided", o.one_sided)) if v is not None}
-    agg = {k: v for k, v in (("rule", o.aggregation), ("clip_bound", o.clip_bound),
-                             ("trim", o.trim), ("max_num_examples", o.max_num_examples))
-           if v is not None}
-    spec = replace(spec, hyper=replace(spec.hyper, **hyper),
-                   aggregation=replace(spec.aggregation, **agg))
+def build_spec(o: CreateOptions) -> tuple[TaskSpec, CreateSettings]:
+    """The TaskSpec of `task create` and its coordinator settings: the base (a TaskSpec JSON
+    file, a recipe, or TaskSpec's defaults on `--model`, the `bare` recipe), then the scope
+    and each `--set` (`seedfed.shared.protocol.recipes.resolve_recipe`: a scope other than the
+    base's starts from TaskSpec's conservative lr and eps, as `simulate`)."""
+    base = (TaskSpec.from_dict(json.loads(o.spec_file.read_text("utf-8")))
+            if o.spec_file is not None else None)
+    name = o.recipe or "bare"
+    kind = o.scope or (base.scope if base is not None else recipe(name).scope)
+    given = parse_set(o.sets, kind, settings=(SETTINGS, CreateSettings))
     if o.fmt is not None:
-        spec = replace(spec, format=o.fmt)
+        given["spec.format"] = o.fmt
     if o.label_texts:
-        spec = replace(spec, label_texts=o.label_texts, num_labels=len(o.label_texts))
-    return spec
+        given["spec.label_texts"] = o.label_texts
+    spec = resolve_recipe(name, given, model=o.model, scope=o.scope, base=base).spec
+    own = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(SETTINGS + ".")}
+    return spec, CreateSettings(**own)
 
 
 # -- plumbing ------------------------------------------------------------------------------------
@@ -195,6 +184,23 @@ def admin(url: str, token: str | None = None) -> Iterator[AdminClient]:
         http.close()
 
 
+def printable(text: object) -> str:
+    """`text` as a terminal shows it literally: each control, format or separator character
+    (ANSI escapes, newlines, carriage returns, other C0/C1 characters, bidirectional overrides,
+    zero-width characters: what the coordinator refuses in names, `server/schemas.py`) as its
+    escape (`\\x1b`, `\\n`, `\\u202e`). Task names and abandon reasons stored by an older
+    coordinator could otherwise rewrite what the operator sees; every table cell and title, and
+    every message naming a task, goes through it (`--json` escapes them by itself)."""
+    out = []
+    for ch in str(text):
+        category = unicodedata.category(ch)
+        if category[0] == "C" or category in ("Zl", "Zp"):
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _emit(data: Any, as_json: bool, table: Callable[[], Table] | None = None) -> None:
     if as_json or table is None:
         typer.echo(json.dumps(data, default=str))
@@ -202,13 +208,20 @@ def _emit(data: Any, as_json: bool, table: Callable[[], Table] | None = None) ->
         Console(width=160).print(table())
 
 
+def _cell(value: Any) -> Text:
+    """A table cell: `printable`, and a Text so that rich reads no markup ([bold]) in it."""
+    if isinstance(value, Text):  # built from printable parts (`_round_lines`)
+        return value
+    return Text("-" if value is None else f"{value:.4g}" if isinstance(value, float)
+                else printable(value))
+
+
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    t = Table(title=title)
+    t = Table(title=_cell(title))
     for c in columns:
         t.add_column(c)
     for r in rows:
-        t.add_row(*("-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-                    for v in r))
+        t.add_row(*(_cell(v) for v in r))
     return t
 
 
@@ -216,50 +229,18 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
 @task_app.command("create")
 def task_create(
     url: str = URL,
-    recipe: str = typer.Option(None, "--recipe", help=f"start from a recipe: {', '.join(RECIPES)}"
-                               " (default sst2 unless --model or --spec)"),
+    recipe_name: str = typer.Option(None, "--recipe", help="start from a recipe (`seedfed "
+                                    f"recipes`): {', '.join(RECIPES)} (default sst2 unless "
+                                    "--model or --spec)"),
+    sets: list[str] = SETS,
     model: str = typer.Option(None, "--model", help="Hugging Face model directory, as the "
                               "coordinator sees it"),
     spec_file: str = typer.Option(None, "--spec", help="a TaskSpec JSON file as the base"),
     name: str = typer.Option(None, "--name", help="the task's name (default: the recipe's)"),
     scope: str = typer.Option(None, "--scope", help="head (the classifier), lora, full, named,"
                               " scales, ternary"),
-    pattern: list[str] = PATTERNS,
     fmt: str = typer.Option(None, "--format", help="fp32, fp16, bf16, int8, int4, ternary"),
-    lr: float = typer.Option(None, "--lr", help="learning rate (default: the recipe's)"),
-    eps: float = typer.Option(None, "--eps", help="ZO perturbation scale (default: the "
-                              "recipe's)"),
-    decay_rounds: int = typer.Option(None, "--decay-rounds", min=1,
-                                     help="cosine-decay the lr over rounds 1..N"),
-    lr_final_ratio: float = typer.Option(None, "--lr-final-ratio",
-                                         help="the lr at round N and after, as a fraction of "
-                                         "--lr (default 0.1)"),
-    steps: int = typer.Option(None, "--steps", min=1, help="local ZO steps per device and "
-                              "round (default: the recipe's)"),
-    perturbations: int = typer.Option(None, "--perturbations", min=1, help="seeds per step "
-                                      "(default: the recipe's)"),
-    batch_size: int = typer.Option(None, "--batch-size", min=1, help="examples per local step "
-                                   "(default: the recipe's)"),
-    clip: float = typer.Option(None, "--clip", help="clip each scalar to +-C on the device"),
-    one_sided: bool = typer.Option(None, "--one-sided/--two-sided", help="one-sided "
-                                   "(theta + eps z) or two-sided (theta +- eps z) probes "
-                                   "(default: the recipe's)"),
     label: list[str] = LABELS,
-    quorum: int = typer.Option(1, "--quorum", min=1, help="uploads that close a round"),
-    round_timeout: float = typer.Option(600.0, "--round-timeout", help="seconds a round "
-                                        "stays open waiting for its quorum"),
-    devices_per_round: int = typer.Option(None, "--devices-per-round", min=1,
-                                          help="devices sampled per round (default: every "
-                                          "device that asks)"),
-    aggregation: str = typer.Option(None, "--aggregation", help="mean, clipped_mean, "
-                                    "trimmed_mean, median"),
-    clip_bound: float = typer.Option(None, "--clip-bound", help="clipped_mean: the bound "
-                                     "each device's scalars are clipped to"),
-    trim: float = typer.Option(None, "--trim", help="trimmed_mean: the share trimmed at each "
-                               "end"),
-    max_num_examples: int = typer.Option(None, "--max-num-examples", min=1,
-                                         help="cap on the example count a device's upload "
-                                         "weighs (its aggregation weight)"),
     rounds: int = typer.Option(None, "--rounds", min=1, help="stop the automatic rounds once "
                                "the task reached version N (default: no limit)"),
     manual: bool = typer.Option(False, "--manual", help="open every round by hand (`seedfed "
@@ -271,24 +252,24 @@ def task_create(
     """Create a task; prints its id and the join token (shown once: give it to the devices).
     The coordinator then runs its rounds by itself (the first once a device enrolled, each
     next one as soon as the last ended) until --rounds, unless --manual."""
-    base = recipe or (None if model or spec_file else "sst2")
+    if scope is not None and scope in RECIPES and scope not in SCOPES:
+        raise OptionError("--scope", f"{scope!r} is a recipe, not a scope",
+                          f"say --recipe {scope} (scopes: {', '.join(SCOPES)})")
+    base = recipe_name or (None if model or spec_file else "sst2")
     try:
-        spec = build_spec(CreateOptions(
-            recipe=base, model=model,
-            spec_file=Path(spec_file) if spec_file else None, scope=scope,
-            patterns=tuple(pattern), fmt=fmt, lr=lr, eps=eps, decay_rounds=decay_rounds,
-            lr_final_ratio=lr_final_ratio,
-            steps=steps, perturbations=perturbations, batch_size=batch_size, clip=clip,
-            one_sided=one_sided, aggregation=aggregation, clip_bound=clip_bound, trim=trim,
-            max_num_examples=max_num_examples, label_texts=tuple(label)))
+        spec, settings = build_spec(CreateOptions(
+            recipe=base, model=model, spec_file=Path(spec_file) if spec_file else None,
+            scope=scope, fmt=fmt, label_texts=tuple(label), sets=tuple(sets)))
     except (ValueError, TypeError, OSError) as e:
-        raise UsageError(str(e)) from e
+        if isinstance(e, UserError):
+            raise
+        raise UsageError(str(e), "see `seedfed task create --help` and `seedfed recipes`") from e
     with admin(url, admin_token) as api:
         # a task from a recipe is named after it: `task list` then says what it is
         created = api.create_task(spec.to_dict(), name=name or (None if spec_file else base),
-                                  quorum=quorum,
-                                  round_timeout_s=round_timeout,
-                                  devices_per_round=devices_per_round,
+                                  quorum=settings.quorum,
+                                  round_timeout_s=settings.round_timeout_s,
+                                  devices_per_round=settings.devices_per_round,
                                   schedule="manual" if manual else "auto", max_rounds=rounds)
     _emit(created, as_json, lambda: _table("task created", ("task", "join token", "version",
                                                            "checksum"),
@@ -356,7 +337,7 @@ def task_show(task_id: str = TASK_ID, url: str = URL,
             ("abandoned", None if status.abandoned_round is None else
              f"round {status.abandoned_round}: {status.abandon_reason}")])
         t.add_section()
-        t.add_row("rounds", _round_lines(rounds[-last:]))
+        t.add_row(_cell("rounds"), _round_lines(rounds[-last:]))
         return t
 
     _emit(data, as_json, tables)
@@ -378,15 +359,16 @@ def _close_line(status: TaskStatus) -> str | None:
     return f"{status.close_error} (attempt {status.close_attempts}, retried)"
 
 
-def _round_lines(rounds: Sequence[dict[str, Any]]) -> str:
+def _round_lines(rounds: Sequence[dict[str, Any]]) -> Text:
+    """One line per round (a cell of `task show`), the abandon reason through `printable`."""
     lines = ["round  state       base -> version  participants  loss"]
     for r in rounds:
         loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
         version = "-" if r.get("version") is None else r["version"]
-        why = f"  ({r['abandon_reason']})" if r.get("abandon_reason") else ""
-        lines.append(f"{r['round']:>5}  {r['state']:<10}  {r['base_version']:>4} -> "
+        why = f"  ({printable(r['abandon_reason'])})" if r.get("abandon_reason") else ""
+        lines.append(f"{r['round']:>5}  {printable(r['state']):<10}  {r['base_version']:>4} -> "
                      f"{version!s:<7}  {r['participants']:>12}  {loss}{why}")
-    return "\n".join(lines) if rounds else "no rounds yet"
+    return Text("\n".join(lines) if rounds else "no rounds yet")
 
 
 # -- round ---------------------------------------------------------------------------------------
@@ -405,8 +387,9 @@ def round_open(task_id: str = TASK_ID, url: str = URL,
         [(plan.round, plan.version, f"{plan.steps} x {plan.perturbations}", plan.lr, plan.eps,
           plan.batch_size, plan.quorum, plan.deadline)]))
     if was == "auto" and not as_json:
-        typer.echo(f"task {task_id} now runs its rounds by hand; `seedfed round schedule "
-                   f"{task_id} --auto` hands them back to the coordinator", err=True)
+        shown = printable(task_id)
+        typer.echo(f"task {shown} now runs its rounds by hand; `seedfed round schedule "
+                   f"{shown} --auto` hands them back to the coordinator", err=True)
 
 
 @round_app.command("close")

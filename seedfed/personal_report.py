@@ -4,7 +4,7 @@ Each device with a personal part reports, in the sync phase, its held-out accura
 shared model alone, with shared + personal, and with a local-only head (client/personal.py;
 numbers only). `seedfed simulate` keeps the last report of every device (`report.json`
 `devices`, `DeviceRow`), the fleet's mean and worst decile per round (`fleet_accuracy`) and in
-total (`personalization_summary`) and prints them as a table (`seedfed.report` plots them).
+total (`personalization_summary`) and prints them as a table (`seedfed.simulate.report` plots them).
 """
 
 from __future__ import annotations

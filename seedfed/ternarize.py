@@ -246,7 +246,8 @@ def _probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
 def score(encoder: nn.Module, tokenizer: Any, normalize: bool, label_texts: tuple[str, ...],
           probe: Any, held: Any, max_len: int) -> Scores:
     """Zero-shot (prototype head) and linear-probe accuracy of a sentence encoder."""
-    from seedfed.shared.model.models import MeanPoolClassifier, init_prototype_head
+    from seedfed.shared.model.classifier import MeanPoolClassifier
+    from seedfed.shared.model.head import init_prototype_head
 
     model = MeanPoolClassifier(encoder, len(label_texts), normalize).eval()
     init_prototype_head(model, tokenizer, label_texts)
@@ -304,7 +305,7 @@ def ternarize(model: Path, data: Path, out: Path, config: TernarizeConfig,
     training split's sentences (labels dropped) are distilled on; the probe trains on its
     labels and both scores are taken on its validation split."""
     from seedfed.client.device_data import dataset_splits
-    from seedfed.shared.model.models import load_base, sentence_pooling
+    from seedfed.shared.model.hf import load_base, sentence_pooling
     from seedfed.shared.protocol.task import TaskSpec
 
     pooling = sentence_pooling(model)
@@ -318,7 +319,8 @@ def ternarize(model: Path, data: Path, out: Path, config: TernarizeConfig,
     held = splits.validation.subset(range(min(config.eval_size, len(splits.validation))))
     teacher_model, tokenizer = load_base(TaskSpec(model_path=str(model), model_kind="seq_cls",
                                                   num_labels=len(label_texts)))
-    teacher: nn.Module = teacher_model.encoder
+    teacher = teacher_model.encoder
+    assert isinstance(teacher, nn.Module), "a sentence-transformers directory loads an encoder"
 
     def scored(encoder: nn.Module) -> dict[str, float]:
         return asdict(score(encoder, tokenizer, pooling.normalize, label_texts, probe, held,

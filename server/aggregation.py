@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope
 from seedfed.shared.protocol.aggregate import (
     AggregationConfig,
@@ -22,6 +22,7 @@ from seedfed.shared.protocol.aggregate import (
     dp_noise_std,
     round_weights,
 )
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.wire import MAX_SEED
 
 SEEDS_STREAM = 1

@@ -202,7 +202,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         app.state.runtime, app.state.writer = rt, writer
         # The imports (torch, transformers) and the loaded model leave millions of long-lived
         # objects; a full collection scanning them stalls every request for 100-200 ms
-        # (measured with benchmarks/ingest.py). Freezing moves them out of the collector's
+        # (measured with `seedfed bench ingest`). Freezing moves them out of the collector's
         # sight: later collections scan only what requests allocate.
         gc.collect()
         gc.freeze()

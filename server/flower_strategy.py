@@ -11,8 +11,8 @@ it hands to the coordinator to store for the round (`record_metrics`, the servic
 route uses too).
 
 The only bookkeeping here is the fleet's: which Flower node is which coordinator device and which
-version it confirmed. The messages are `seedfed.shared.protocol.records`, the classes the ClientApp reads
-and writes too.
+version it confirmed. The messages are `seedfed.shared.protocol.records`, the classes the
+ClientApp reads and writes too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Client-level differential privacy accounting for the Gaussian mechanism (RDP).
 
-What is released each round (`seedfed.shared.protocol.aggregate.dp_aggregate`): the sum of the device
-vectors, each clipped to L2 norm C, plus Gaussian noise of standard deviation z * C (z = the
+What is released each round (`seedfed.shared.protocol.aggregate.dp_aggregate`): the sum of the
+device vectors, each clipped to L2 norm C, plus Gaussian noise of standard deviation z * C (z = the
 task's `dp_noise_multiplier`), divided by the round's quorum, a number fixed before the round.
 Adding or removing one device (all of its data) changes that sum by at most C, so each round is
 one Gaussian mechanism of noise multiplier z under add/remove-one-device adjacency. Uniform

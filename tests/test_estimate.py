@@ -9,7 +9,7 @@ from seedfed.client.device_data import DeviceData, load_device_examples
 
 from seedfed.estimate import DurationEstimate, estimate_duration, plan_kinds
 from seedfed.features import SharedFeatures, prefill
-from seedfed.simulate import SimulationConfig, task_spec_for
+from seedfed.simulate.config import SimulationConfig, task_spec_for
 from tests.fleet_helpers import make_tiny_sentence_bert, ternary_cls_spec, write_sentiment_tsv
 
 

@@ -19,7 +19,7 @@ from seedfed.features import (
     prefill,
     store_root,
 )
-from seedfed.simulate import SimulationConfig, task_spec_for
+from seedfed.simulate.config import SimulationConfig, task_spec_for
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 NS = "ab12" * 16

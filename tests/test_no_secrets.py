@@ -253,7 +253,7 @@ def test_data_and_model_commands_fail_in_one_line(world: World) -> None:
     cases = {
         "comma-separated": cli("simulate", "--data", str(csv), "--out", str(out / "a")),
         "one label": cli("simulate", "--data", str(one_label), "--out", str(out / "b")),
-        "--db": cli("simulate", "--data", str(world.data), "--db", "nonsense", "--out",
+        "--set db": cli("simulate", "--data", str(world.data), "--set", "db=nonsense", "--out",
                     str(out / "c")),
         "not a task definition": cli("evaluate", "--data", str(world.data), "--task",
                        str(world.file("t.json", "{not json"))),

@@ -46,15 +46,15 @@ def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
 
 def create(live: Live, *extra: str) -> dict[str, str]:
     code, out, err = cli("task", "create", "--url", live.url, "--model", str(live.model),
-                         "--scope", "head", "--steps", "1", "--perturbations", "2",
-                         "--lr", "0.5", "--quorum", "2", *extra, "--json")
+                         "--scope", "head", "--set", "steps=1", "--set", "perturbations=2",
+                         "--set", "lr=0.5", "--set", "quorum=2", *extra, "--json")
     assert code == 0, err
     return dict(json.loads(out))
 
 
 def test_task_create_makes_the_task_the_options_describe(live: Live) -> None:
     # Act
-    created = create(live, "--aggregation", "median", "--name", "cli-made", "--label", "bad",
+    created = create(live, "--set", "rule=median", "--name", "cli-made", "--label", "bad",
                      "--label", "good")
 
     # Assert: the coordinator serves exactly that definition
@@ -219,9 +219,11 @@ def test_round_abandon_ends_the_open_round_with_its_reason_shown(live: Live) -> 
 
 # -- build_spec, a pure function ------------------------------------------------------------------
 def test_a_recipe_with_overrides_keeps_what_was_not_overridden(tmp_path: Path) -> None:
-    spec = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), perturbations=8,
-                                    aggregation="trimmed_mean", trim=0.2))
+    spec, settings = build_spec(CreateOptions(
+        recipe="preference", model=str(tmp_path),
+        sets=("perturbations=8", "rule=trimmed_mean", "trim=0.2", "quorum=3")))
 
+    assert settings.quorum == 3 and settings.devices_per_round is None
     assert spec.model_path == str(tmp_path) and spec.hyper.perturbations == 8
     assert spec.hyper.lr == 1.0 and spec.scope == "named"  # the recipe's
     assert (spec.aggregation.rule, spec.aggregation.trim) == ("trimmed_mean", 0.2)
@@ -229,10 +231,10 @@ def test_a_recipe_with_overrides_keeps_what_was_not_overridden(tmp_path: Path) -
 
 def test_another_scope_starts_from_the_conservative_lr_and_a_spec_file_is_a_base(
         tmp_path: Path) -> None:
-    lora = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), scope="lora"))
+    lora, _ = build_spec(CreateOptions(recipe="preference", model=str(tmp_path), scope="lora"))
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(lora.to_dict()))
-    from_file = build_spec(CreateOptions(recipe=None, spec_file=path, fmt="fp16"))
+    from_file, _ = build_spec(CreateOptions(recipe=None, spec_file=path, fmt="fp16"))
 
     assert (lora.scope, lora.hyper.lr, lora.hyper.eps) == ("lora", Hyper().lr, Hyper().eps)
     assert from_file.scope == "lora" and from_file.format == "fp16"
@@ -240,9 +242,9 @@ def test_another_scope_starts_from_the_conservative_lr_and_a_spec_file_is_a_base
 
 def test_an_lr_schedule_from_the_command_line_and_none_on_another_scope(
         tmp_path: Path) -> None:
-    scheduled = build_spec(CreateOptions(recipe="preference", model=str(tmp_path),
-                                         decay_rounds=50, lr_final_ratio=0.2))
-    lora = build_spec(CreateOptions(recipe="sst2", model=str(tmp_path), scope="lora"))
+    scheduled, _ = build_spec(CreateOptions(recipe="preference", model=str(tmp_path),
+                                            sets=("decay_rounds=50", "lr_final_ratio=0.2")))
+    lora, _ = build_spec(CreateOptions(recipe="sst2", model=str(tmp_path), scope="lora"))
 
     assert (scheduled.hyper.decay_rounds, scheduled.hyper.lr_final_ratio) == (50, 0.2)
     assert scheduled.hyper.lr_of_round(50) == pytest.approx(0.2 * scheduled.hyper.lr)
@@ -250,13 +252,19 @@ def test_an_lr_schedule_from_the_command_line_and_none_on_another_scope(
 
 
 def test_invalid_options_are_refused_before_any_request(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="recipe must be one of"):
+    with pytest.raises(ValueError, match="no recipe 'imagenet'; recipes: tastes"):
         CreateOptions(recipe="imagenet")
-    with pytest.raises(ValueError, match="aggregation rule"):
-        build_spec(CreateOptions(recipe=None, model=str(tmp_path), aggregation="mode"))
+    with pytest.raises(ValueError, match="--set rule: expected one of mean"):
+        build_spec(CreateOptions(recipe=None, model=str(tmp_path), sets=("rule=mode",)))
+    with pytest.raises(ValueError, match="no key 'learning_rate'; keys: "):
+        build_spec(CreateOptions(recipe=None, model=str(tmp_path),
+                                 sets=("learning_rate=1",)))
     code, _, err = cli("task", "create", "--url", "http://127.0.0.1:9", "--model",
-                       str(tmp_path), "--lr", "-1")
+                       str(tmp_path), "--set", "lr=-1")
+    recipe_as_scope, _, scope_err = cli("task", "create", "--url", "http://127.0.0.1:9",
+                                        "--scope", "tastes")
     assert code == 2 and "hyper.lr must be in" in err
+    assert recipe_as_scope == 2 and "--recipe tastes" in scope_err
 
 
 def test_the_admin_token_as_an_option_and_a_recipe_shown_as_what_it_is(live: Live) -> None:
@@ -301,3 +309,67 @@ def test_every_operator_command_takes_the_admin_token_as_an_option() -> None:
         assert option.envvar == "SEEDFED_ADMIN_TOKEN", path
         assert "SEEDFED_ADMIN_TOKEN" in (option.help or ""), path  # type: ignore[attr-defined]
     assert len(commands) >= 7
+
+
+# -- what reaches the terminal -------------------------------------------------------------------
+#: A name and a reason as an older coordinator may have stored them: ANSI escapes (clear the
+#: screen, colours), a carriage return and newline that forge a line, a bidirectional override,
+#: a C1 control (CSI) and rich markup.
+NASTY_NAME = "ev\x1b[2J\x1b[31mil\r\n[bold]x[/bold]\u202e\x9b"
+NASTY_REASON = "stop\nround 9  closed\x1b[0m\x07"
+
+
+class OldCoordinator(httpx.BaseTransport):
+    """The live coordinator over HTTP, its task names and abandon reasons replaced by what an
+    older coordinator, which did not refuse control characters, may answer."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self.inner.handle_request(request)
+        answer.read()
+        if request.method != "GET" or answer.status_code != 200:
+            return answer
+        body = answer.json()
+        for item in body if isinstance(body, list) else [body]:
+            if isinstance(item, dict):
+                item.update({k: v for k, v in (("name", NASTY_NAME),
+                                               ("abandon_reason", NASTY_REASON)) if k in item})
+        return httpx.Response(200, json=body)
+
+
+def test_printable_escapes_control_format_and_separator_characters() -> None:
+    from seedfed.operator_cli import printable
+
+    assert printable("a\x1b[31mb\r\n\t\x00\x7f\x9b\u202e\u200b\u2028c") == \
+        "a\\x1b[31mb\\r\\n\\t\\x00\\x7f\\x9b\\u202e\\u200b\\u2028c"
+    assert printable("ßeta café 42 [bold]") == "ßeta café 42 [bold]"
+
+
+def test_names_and_reasons_from_an_old_coordinator_are_printed_escaped(
+        live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Arrange: a task with an abandoned round, read through an old coordinator's answers
+    import seedfed.operator_cli as operator_cli
+
+    task_id = create(live, "--manual")["task_id"]
+    assert cli("round", "open", task_id, "--url", live.url)[0] == 0
+    assert cli("round", "abandon", task_id, "--reason", "x", "--url", live.url)[0] == 0
+    monkeypatch.setattr(operator_cli, "http_factory", lambda url: httpx.Client(
+        base_url=url, transport=OldCoordinator()))
+
+    # Act
+    shown = cli("task", "show", task_id, "--url", live.url)
+    listed = cli("task", "list", "--url", live.url)
+    as_json = cli("task", "show", task_id, "--url", live.url, "--json")
+
+    # Assert: no control character reaches the terminal, each is shown as its escape, and
+    # rich markup is printed as written
+    for code, out, err in (shown, listed, as_json):
+        assert code == 0, err
+        assert not any(ch in out for ch in "\x1b\r\x07\u202e\x9b"), out
+    assert "ev\\x1b[2J\\x1b[31mil\\r\\n[bold]x[/bold]\\u202e\\x9b" in shown[1]
+    assert "round 1: stop\\nround 9  closed\\x1b[0m\\x07" in shown[1]
+    assert "(stop\\nround 9  closed\\x1b[0m\\x07)" in shown[1]
+    assert "ev\\x1b[2J" in listed[1]
+    assert json.loads(as_json[1])["name"] == NASTY_NAME  # --json: escaped by JSON itself

@@ -32,8 +32,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     with serve(create_app(live_settings(tmp, auto_open_rounds=False))) as url, \
             httpx.Client(base_url=url) as http:
         admin = AdminClient(http, ADMIN_TOKEN)
-        spec = build_spec(CreateOptions(recipe=None, model=str(model), scope="lora", steps=2,
-                                        perturbations=3, lr=1e-2))
+        spec, _ = build_spec(CreateOptions(recipe=None, model=str(model), scope="lora",
+                                           sets=("steps=2", "perturbations=3", "lr=1e-2")))
         created = admin.create_task(spec.to_dict(), quorum=5)
         task_id = created["task_id"]
         tokens = [CoordinatorClient(http).enroll(task_id, created["join_token"])[1]

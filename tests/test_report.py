@@ -1,5 +1,5 @@
-"""report.png (seedfed/report.py): short ranked device labels, legends clear of the data, a linear
-upload scale with the FedAvg ratio written on it, at any fleet and scope size."""
+"""report.png (seedfed/simulate/report.py): short ranked device labels, legends clear of the
+data, a linear upload scale with the FedAvg ratio written on it, at any fleet and scope size."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from seedfed.personal_report import DeviceRow
-from seedfed.report import Report, RoundRow, _ratio, _upload, plot, plot_devices
+from seedfed.simulate.report import Report, RoundRow, _ratio, _upload, plot, plot_devices
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend

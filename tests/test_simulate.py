@@ -39,11 +39,11 @@ def run_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     data = write_sentiment_tsv(root / "data.tsv", n=400)
     out = root / "run"
     result = CliRunner().invoke(app, [
-        "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--steps", str(STEPS),
-        "--perturbations", str(PERTURBATIONS), "--model", str(model), "--data", str(data),
-        "--alpha", "1.0", "--scope", scope, "--eval-size", "40", "--batch-size", "8",
-        "--lr", "1e-3", "--eps", "1e-2", "--engine", engine, "--format", fmt, "--out", str(out),
-        "--eval-every", "1"])
+        "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--set",
+        f"steps={STEPS}", "--set", f"perturbations={PERTURBATIONS}", "--model", str(model),
+        "--data", str(data), "--set", "run.alpha=1.0", "--scope", scope, "--set", "eval_size=40",
+        "--set", "batch_size=8", "--set", "lr=1e-3", "--set", "eps=1e-2", "--engine", engine,
+        "--format", fmt, "--out", str(out), "--set", "eval_every=1"])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert "seedfed simulate" in result.output  # the summary table was printed
     assert "expected duration" in result.output  # measured before the first round
@@ -115,15 +115,18 @@ def test_plot_is_a_png(run_dir: Path) -> None:
 def taste_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Two in-process runs of the per-device taste task on the tiny model, the same seeds:
     every device with a residual personal part, and none."""
-    from seedfed.simulate import SimulationConfig, run
+    from seedfed.simulate.config import SimulationConfig
+    from seedfed.simulate.driver import run
 
     root = tmp_path_factory.mktemp("sim-tastes")
     model = make_tiny_bert(root / "model")
     reports = {}
     for personal in ("residual", "off"):
         config = SimulationConfig(out=root / personal, devices=DEVICES, rounds=ROUNDS,
-                                  steps=STEPS, perturbations=PERTURBATIONS, model=str(model),
-                                  eval_size=40, batch_size=8, engine="inprocess",
+                                  overrides=(("hyper.steps", STEPS),
+                                             ("hyper.perturbations", PERTURBATIONS),
+                                             ("hyper.batch_size", 8)), model=str(model),
+                                  eval_size=40, engine="inprocess",
                                   eval_every=1, personal=personal)
         reports[personal] = run(config).to_dict()
         reports[personal]["png"] = (root / personal / "report.png").read_bytes()[:8]
@@ -131,26 +134,27 @@ def taste_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def test_the_default_task_is_the_per_device_taste_task() -> None:
-    from seedfed.simulate import SimulationConfig
+    from seedfed.simulate.config import SimulationConfig
 
     config = SimulationConfig(out=Path("unused"))
 
-    assert (config.data, config.personal) == ("tastes", "residual")
+    assert (config.data, config.personal, config.recipe) == ("tastes", "residual", "tastes")
 
 
 def test_the_taste_task_takes_its_recipe_and_fleet_the_single_taste_demo_its_own() -> None:
-    from seedfed.client import recipes
+    from seedfed.shared.protocol import recipes
 
-    from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet, task_spec_for
+    from seedfed.simulate.config import SimulationConfig, task_spec_for
 
-    tastes = task_spec_for(SimulationConfig(out=Path("unused")), ("no", "yes"))
-    builtin = task_spec_for(SimulationConfig(out=Path("unused"), data="builtin"), ("no", "yes"))
+    tastes = SimulationConfig(out=Path("unused"))
+    builtin = SimulationConfig(out=Path("unused"), data="builtin")
 
-    assert tastes.hyper == recipes.TASTES_HYPER
-    assert tastes.step_scales == recipes.HEAD_STEP_SCALES
-    assert builtin.hyper == recipes.PREFERENCE_HYPER and builtin.step_scales == ()
-    assert recipe_fleet("tastes", None, None) == (30, 20)
-    assert (recipe_devices("tastes"), recipe_devices("builtin")) == (20, 10)
+    assert task_spec_for(tastes, ("no", "yes")).hyper == recipes.TASTES_HYPER
+    assert task_spec_for(tastes, ("no", "yes")).step_scales == recipes.HEAD_STEP_SCALES
+    builtin_spec = task_spec_for(builtin, ("no", "yes"))
+    assert builtin_spec.hyper == recipes.PREFERENCE_HYPER and builtin_spec.step_scales == ()
+    assert (tastes.rounds, tastes.devices, tastes.devices_per_round) == (30, 20, 20)
+    assert (builtin.recipe, builtin.devices, builtin.devices_per_round) == ("preference", 10, 5)
 
 
 def test_the_report_lists_every_device_shared_personal_and_local_accuracy(
@@ -189,6 +193,6 @@ def test_personalization_leaves_the_upload_bytes_unchanged(
     (2.5, "ratio 2.5 (2.5x more)"), (1.0, "ratio 1 (the same)"), (0.05, "ratio 0.05 (20x less)"),
 ])
 def test_the_upload_ratio_is_printed_as_a_person_reads_it(ratio: float, words: str) -> None:
-    from seedfed.simulate import ratio_words
+    from seedfed.simulate.progress import ratio_words
 
     assert ratio_words(ratio) == words

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from seedfed.client import recipes
+from seedfed.shared.protocol.recipes import RECIPES
 from typer.testing import CliRunner
 
 from seedfed.cli import app
-from seedfed.simulate import SimulationConfig, recipe_devices, recipe_fleet
+from seedfed.simulate.config import SimulationConfig
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,7 +27,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _simulate(model: Path, data: Path, out: Path, *extra: str) -> Any:
     return CliRunner().invoke(app, [
         "simulate", "--model", str(model), "--data", str(data), "--engine", "inprocess",
-        "--perturbations", "4", "--eval-size", "50", "--feature-cache", "run", "--out",
+        "--set", "perturbations=4", "--set", "eval_size=50", "--set", "feature_cache=run", "--out",
         str(out), *extra])
 
 
@@ -36,16 +36,16 @@ def test_a_labelled_file_runs_the_sst2_recipe_whose_figure_the_readme_quotes(
     # Arrange: capture the configuration the command builds instead of running it
     model, data = assets
     seen: list[SimulationConfig] = []
-    monkeypatch.setattr("seedfed.simulate.run_with_progress", seen.append)
-    recipe = recipes.sst2_recipe()
+    monkeypatch.setattr("seedfed.simulate.progress.run_with_progress", seen.append)
+    fleet = RECIPES["sst2"].fleet
     # Act
     result = CliRunner().invoke(app, ["simulate", "--data", str(data), "--model", str(model)])
     # Assert
     assert result.exit_code == 0, result.output
     (config,) = seen
+    assert config.recipe == "sst2"
     assert (config.rounds, config.devices, config.devices_per_round) == (
-        recipe.rounds, recipe.devices, recipe.per_round)
-    assert recipe_fleet(str(data), None, None) == (300, 20) and recipe_devices(str(data)) == 20
+        fleet.rounds, fleet.devices, fleet.devices_per_round) == (300, 20, 20)
 
 
 def test_a_thousand_devices_train_with_a_hundred_a_round(assets: tuple[Path, Path],
@@ -53,7 +53,7 @@ def test_a_thousand_devices_train_with_a_hundred_a_round(assets: tuple[Path, Pat
     model, data = assets
 
     result = _simulate(model, data, tmp_path / "run", "--devices", "1000",
-                       "--devices-per-round", "100", "--rounds", "2")
+                       "--set", "devices_per_round=100", "--rounds", "2")
 
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "run" / "report.json").read_text())
@@ -74,7 +74,7 @@ def test_when_every_device_of_a_round_fails_simulate_stops_with_the_first_error(
     monkeypatch.setattr("seedfed.client.flower_app.train", broken)
     # Act
     result = _simulate(model, data, tmp_path / "run", "--devices", "30",
-                       "--devices-per-round", "5", "--rounds", "3")
+                       "--set", "devices_per_round=5", "--rounds", "3")
     # Assert
     assert result.exit_code != 0
     said = result.output + repr(result.exception)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from seedfed.cli import app
 from seedfed.features import RUN_DIR_NAME
-from seedfed.simulate import simulation_secret
+from seedfed.simulate.config import simulation_secret
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # 2-10 min on the loaded 2 cores
@@ -33,9 +33,9 @@ def _final(inputs: tuple[Path, Path, Path], name: str, seed: int, cache: str = "
     out = root / name
     result = CliRunner().invoke(app, [
         "simulate", "--devices", "3", "--rounds", "3", "--model", str(model),
-        "--data", str(data), "--scope", "head", "--steps", "2", "--perturbations", "4",
-        "--batch-size", "8", "--eval-size", "30", "--eval-every", "3", "--cpus", "2",
-        "--seed", str(seed), "--out", str(out), "--feature-cache", cache])
+        "--data", str(data), "--scope", "head", "--set", "steps=2", "--set", "perturbations=4",
+        "--set", "batch_size=8", "--set", "eval_size=30", "--set", "eval_every=3", "--set",
+        "cpus=2", "--seed", str(seed), "--out", str(out), "--set", f"feature_cache={cache}"])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     report = json.loads((out / "report.json").read_text())
     if cache == "run":  # the run shared its features through its own store

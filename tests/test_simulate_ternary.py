@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 from safetensors.torch import load as load_safetensors
-from seedfed.client.recipes import TERNARY_HYPER, ternary_recipe
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
+from seedfed.shared.protocol.recipes import RECIPES, TERNARY_HYPER
 from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 
 from seedfed.cli import app
-from seedfed.simulate import SimulationConfig, recipe_fleet, run
+from seedfed.simulate.config import SimulationConfig
+from seedfed.simulate.driver import run
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -50,8 +51,9 @@ def run_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("sim-ternary") / "run"
     result = CliRunner().invoke(app, [
         "simulate", "--devices", str(DEVICES), "--rounds", str(ROUNDS), "--model", str(model),
-        "--data", str(data), "--format", "ternary", "--engine", "inprocess", "--personal", "off",
-        "--eval-size", str(EVAL), "--perturbations", "8", "--out", str(out)])
+        "--data", str(data), "--format", "ternary", "--engine", "inprocess", "--set",
+        "personal=off", "--set", f"eval_size={EVAL}", "--set", "perturbations=8", "--out",
+        str(out)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     (out / "cli.txt").write_text(result.output)
     return out
@@ -61,10 +63,13 @@ def run_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
 def alternate_dir(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     model, data = inputs
     out = tmp_path_factory.mktemp("sim-ternary-alternate") / "run"
+    # sync_every=1: every round's sync bytes
     run(SimulationConfig(out=out, devices=DEVICES, rounds=ROUNDS, model=str(model),
                          data=str(data), format="ternary", engine="inprocess", personal="off",
-                         eval_size=EVAL, lr=3.3e-4, perturbations=2, batch_size=8,
-                         scope_options=ALTERNATE, sync_every=1))  # every round's sync bytes
+                         eval_size=EVAL, sync_every=1, overrides=(
+                             ("hyper.lr", 3.3e-4), ("hyper.perturbations", 2),
+                             ("hyper.batch_size", 8),
+                             *((f"scope_options.{k}", v) for k, v in ALTERNATE.items()))))
     return out
 
 
@@ -81,10 +86,15 @@ def _score(run_dir: Path, *args: str) -> float:
 
 
 def test_without_rounds_the_ternary_recipe_sets_rounds_and_devices_per_round() -> None:
-    recipe = ternary_recipe("unused", sst2=True)
+    fleet = RECIPES["ternary"].fleet
 
-    assert recipe_fleet("train.tsv", "unused", "ternary") == (recipe.rounds, recipe.per_round)
-    assert recipe_fleet("train.tsv", None, "fp32") == (300, 20)  # the SST-2 head recipe's
+    ternary = SimulationConfig(out=Path("unused"), data="train.tsv", model="unused",
+                               format="ternary")
+    head = SimulationConfig(out=Path("unused"), data="train.tsv", format="fp32")
+
+    assert ternary.recipe == "ternary"
+    assert (ternary.rounds, ternary.devices_per_round) == (fleet.rounds, fleet.devices_per_round)
+    assert (head.rounds, head.devices_per_round) == (300, 20)  # the SST-2 head recipe's
 
 
 def test_the_recipe_trains_the_head_of_a_ternary_classifier_on_packed_devices(

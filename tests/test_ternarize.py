@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 from seedfed.client.data import tokenize
-from seedfed.shared.model.models import MeanPoolClassifier, build_model
+from seedfed.shared.model.classifier import MeanPoolClassifier
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.ternary import bitlinear_modules
 from typer.testing import CliRunner
 

@@ -20,7 +20,7 @@ from seedfed.client.data import tokenize
 from seedfed.client.ternary import PackedTernary
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.ternary import bitlinear_modules
 from seedfed.shared.protocol.task import Hyper, TaskSpec
 from typer.testing import CliRunner

@@ -1,7 +1,7 @@
-"""Side-by-side benchmarks that write JSON and print a table (`seedfed bench ...`).
+"""The benchmarks: each a module with `main(argv) -> int`, run as `seedfed bench NAME ...` or
+`python -m seedfed.bench.NAME ...` (`registry` lists them), writing JSON and printing a table.
 
-The measuring code lives in this installed package, not only in the repository's benchmarks/
-folder, so that the `seedfed` console script and the per-measurement worker subprocesses
-(`python -m seedfed.bench.core_worker`) find it from any install; benchmarks/*.py are thin
-scripts over it.
+They live in the installed package so that the `seedfed` console script and the worker
+subprocesses a benchmark starts (`python -m seedfed.bench.core_worker`, ...) find them from any
+install. Their committed results are in the repository's benchmarks/results/.
 """

@@ -1,6 +1,6 @@
 """A real `seedfed coordinator` process for the benchmarks, and the data it serves.
 
-What benchmarks/ingest.py, benchmarks/fuzz.py and `seedfed bench crash` share: a tiny BERT on
+What seedfed.bench.ingest, seedfed.bench.fuzz and `seedfed bench crash` share: a tiny BERT on
 disk to build tasks from, a fresh database (a SQLite file or a PostgreSQL database of its own),
 a task with enrolled devices written before the server starts, and the coordinator itself as a
 subprocess (uvicorn, the real app) on a free loopback port, waited for until `/readyz` answers.

@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from seedfed.bench.core_setup import (
     rss_mb,
     shape_named,
 )
+
+if TYPE_CHECKING:
+    from seedfed.shared.model.estimator import Mode
 
 MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 #: The work is repeated so an optimizer's lazily created state and a second step count too.
@@ -45,7 +48,7 @@ def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
     from seedfed.shared.model.scopes import build_scope
 
     scope = build_scope("full", model)
-    config = ZOConfig(lr=LR, eps=EPS, perturbations=1, mode=mode)
+    config = ZOConfig(lr=LR, eps=EPS, perturbations=1, mode=cast("Mode", mode))
     perturber = Perturber(scope, config.mode)
 
     def step(seed: int) -> None:
@@ -134,6 +137,7 @@ def measure_replay(numel: int, n_seeds: int, repeats: int) -> dict[str, object]:
     seeds fused into one pass (the C kernel; `numpy_fused` is the same call on the numpy
     path, the fallback)."""
     from seedfed.shared.model import stream
+    from seedfed.shared.protocol import philox
 
     gen = np.random.default_rng(0)
     seeds = [int(s) for s in gen.integers(0, 2**63, size=max(n_seeds, FUSED_SEEDS))]
@@ -141,7 +145,7 @@ def measure_replay(numel: int, n_seeds: int, repeats: int) -> dict[str, object]:
     x = torch.zeros(numel, dtype=torch.float32)
     y = torch.ones(numel, dtype=torch.float32)
     buf = torch.empty(numel, dtype=torch.float32)
-    tid = stream.tensor_id("bench.replay.weight")
+    tid = philox.tensor_id("bench.replay.weight")
 
     def axpy() -> None:  # y precomputed: only the memory traffic of x += c * y remains
         for c in coefs[:n_seeds]:

@@ -21,8 +21,8 @@ the close). At the end, with the server stopped, it checks:
    bit (so an accepted upload cannot have been left out of its round);
 5. every closed round's participant count equals its stored uploads.
 
-    python benchmarks/crash.py --db sqlite postgres --kills 100      # the full campaign
-    seedfed bench crash --db sqlite --kills 3                        # CI-sized
+    seedfed bench crash --db sqlite postgres --kills 100   # the full campaign
+    seedfed bench crash --db sqlite --kills 3              # CI-sized
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -43,6 +44,7 @@ import numpy as np
 
 from seedfed.bench import coordinator_process
 from seedfed.bench.coordinator_process import tiny_model
+from seedfed.bench.registry import RESULTS, bench_parser, positive_int
 
 ADMIN = "crash-admin-token-" + "x" * 16
 
@@ -187,7 +189,7 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
     from seedfed.server.orm import RoundRow, RoundState, TaskRow, UploadRow, VersionRow
     from seedfed.server.runtime import Runtime
     from seedfed.server.settings import Settings
-    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.factory import build_model
     from seedfed.shared.model.replay import apply_seeds, checksum
     from seedfed.shared.protocol.wire import RoundPlan
 
@@ -225,7 +227,7 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
         if len(set(from_rounds)) != len(from_rounds):
             problems.append("a round committed two versions")
         closed = [r for r in rounds.values() if r.state == RoundState.CLOSED]
-        results = [r.result_version for r in closed]
+        results = [r.result_version for r in closed if r.result_version is not None]
         if sorted(results) != list(range(1, current + 1)):
             problems.append(f"closed rounds' result versions {sorted(results)[:8]}... are not "
                             f"1..{current}")
@@ -253,6 +255,9 @@ def verify(url: str, store: Path, task_id: str, receipts: list[Receipt]) -> dict
                 replay_ok += 1
             else:
                 problems.append(f"replay of v{v.version} does not match its checksum")
+            if v.round_number is None or v.round_number not in rounds:
+                problems.append(f"v{v.version} names no stored round")
+                continue
             r = rounds[v.round_number]
             mine = sorted((u for u in uploads if u.round_id == r.id), key=lambda u: u.device_id)
             plan = RoundPlan.model_validate_json(r.plan_json)
@@ -355,10 +360,11 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
             **result}
 
 
-def main(*, backends: list[str], kills: int, devices: int = 48, quorum: int = 8,
-         lanes: int = 12, seeds: int = 16, at_close: float = 0.5,
-         json_path: Path | None = None, seed: int = 0,
-         budget_s: float | None = None) -> list[dict[str, Any]]:
+def run_campaigns(*, backends: list[str], kills: int, devices: int = 48, quorum: int = 8,
+                  lanes: int = 12, seeds: int = 16, at_close: float = 0.5,
+                  json_path: Path | None = None, seed: int = 0,
+                  budget_s: float | None = None) -> list[dict[str, Any]]:
+    """One campaign per backend; writes `json_path` and prints a table. The rows."""
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "model")
         rows = [campaign(b, kills=kills, devices=devices, quorum=quorum, lanes=lanes,
@@ -380,3 +386,34 @@ def main(*, backends: list[str], kills: int, devices: int = 48, quorum: int = 8,
         for p in r["problems"]:
             print(f"   ! {p}")
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 only when every backend's campaign lost nothing and replayed equal."""
+    ap = bench_parser("crash")
+    ap.add_argument("--db", nargs="+", default=["sqlite", "postgres"],
+                    choices=["sqlite", "postgres"], help="backends (default: both)")
+    ap.add_argument("--kills", type=positive_int, default=100, help="SIGKILLs per backend")
+    ap.add_argument("--devices", type=int, default=48)
+    ap.add_argument("--quorum", type=int, default=8, help="uploads that close a round")
+    ap.add_argument("--threads", type=int, default=12, help="load-generating threads")
+    ap.add_argument("--seeds", type=int, default=16, help="scalars per upload")
+    ap.add_argument("--at-close", type=float, default=0.5,
+                    help="share of kills aimed right after a round reached its quorum")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the kill schedule and the uploads")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop killing after this many seconds per backend (then verify)")
+    ap.add_argument("--json", type=Path, default=RESULTS / "crash.json")
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.at_close <= 1.0:
+        ap.error(f"--at-close must be within [0, 1], got {args.at_close}")
+    rows = run_campaigns(backends=args.db, kills=args.kills, devices=args.devices,
+                         quorum=args.quorum, lanes=args.threads, seeds=args.seeds,
+                         at_close=args.at_close, json_path=args.json, seed=args.seed,
+                         budget_s=args.budget_s)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

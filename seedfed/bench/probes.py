@@ -7,7 +7,7 @@ SmolLM-135M-shaped Llama built from config (batch 8 x 64), LoRA r=8 on q/v of ev
 Modes: `mezo` is MeZO's estimator (two forwards of the whole model per seed; MiniLM cases
 only), `sequential` is today's `spsa_step` (the same forwards through the model's own
 frozen-prefix feature cache, so a probe runs only the layers at and above the lowest
-perturbed tensor), `batched` is `seedfed.shared.model.probes` (shared prefix + stacked copies within
+perturbed tensor), `batched` is `seedfed.client.probes` (shared prefix + stacked copies within
 the default memory budget). The speed target is read against both baselines: for LoRA on the
 top layer the cache already removes five of six layers, and what is left is the layer whose
 matmuls every copy must run. A depth sweep times P = 8 for scopes whose lowest perturbed
@@ -18,14 +18,17 @@ beside them).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from seedfed.bench.core import run_worker
+from seedfed.bench.registry import bench_parser, positive_int
 
 MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
 LLAMA_CASE = "lora_r8"
@@ -145,20 +148,52 @@ def render(result: dict[str, Any]) -> Any:
     return tables
 
 
-def main(quick: bool = False, json_path: Path | None = None, repeats: int | None = None,
-         threads: int | None = None, ps: tuple[int, ...] | None = None,
-         llama_ps: tuple[int, ...] | None = None, sweep: bool = True) -> int:
-    """Run, print the tables, write JSON; returns the number of missed targets."""
+def p_list(text: str) -> tuple[int, ...]:
+    """`--p 1,2,4` as a tuple of perturbation counts, each >= 1."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from e
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"perturbation counts must be >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the tables, write JSON; exit status 1 on a missed target only with --strict
+    (the figures depend on the machine and its load)."""
+    parser = bench_parser("probes")
+    parser.add_argument("--quick", action="store_true", help="tiny models from config, P 1,2,4")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timing repeats (median)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads per worker")
+    parser.add_argument("--p", type=p_list, default=None,
+                        help="perturbation counts (default 1,2,4,8,16,32)")
+    parser.add_argument("--llama-p", type=p_list, default=None,
+                        help="perturbation counts for the Llama case (default: --p)")
+    parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="MiniLM depth sweep at P 8")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
     from rich.console import Console
 
     console = Console()
     with console.status("probe benchmark") as status:
-        result = run_probes(quick, repeats, threads, ps, llama_ps, sweep,
+        result = run_probes(args.quick, args.repeats, args.threads, args.p, args.llama_p,
+                            args.sweep,
                             progress=lambda msg: status.update(f"probe benchmark: {msg}"))
     for table in render(result):
         console.print(table)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        console.print(f"wrote {json_path}")
-    return sum(not t["met"] for t in result["targets"].values())
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        console.print(f"wrote {args.json}")
+    missed = sum(not t["met"] for t in result["targets"].values())
+    return 1 if args.strict and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -71,7 +71,8 @@ def _trim() -> None:
 
 
 def _minilm_base(quick: bool) -> tuple[Any, Any]:
-    from seedfed.shared.model.models import MeanPoolClassifier, build_model
+    from seedfed.shared.model.classifier import MeanPoolClassifier
+    from seedfed.shared.model.factory import build_model
     from seedfed.shared.protocol.task import TaskSpec
 
     if quick:  # a tiny BERT from config: CI needs no checkpoint
@@ -83,10 +84,11 @@ def _minilm_base(quick: bool) -> tuple[Any, Any]:
             torch.manual_seed(0)
             model = MeanPoolClassifier(BertModel(cfg, add_pooling_layer=False), 2, True).eval()
         return model, None
-    from seedfed.client.recipes import default_model_path
+    from seedfed.shared.protocol.recipes import default_model_path
+    from seedfed.shared.protocol.scope_options import options_for
 
     spec = TaskSpec(model_path=str(default_model_path()), scope="named",
-                    scope_options={"patterns": ("classifier",)},
+                    scope_options=options_for("named", {"patterns": ("classifier",)}),
                     label_texts=("It was terrible.", "It was great."), max_seq_len=MAX_LEN)
     bundle = build_model(spec, initialize=True)
     return bundle.model, bundle.tokenizer
@@ -108,7 +110,8 @@ def _minilm_batch(tokenizer: Any, quick: bool) -> dict[str, torch.Tensor]:
 def _adapt(base: Any, targets: tuple[str, ...] | None, scope_kind: str,
            options: dict[str, Any], fmt: str) -> tuple[nn.Module, Any]:
     """The base MiniLM with this case's adapters / quantization and scope (as build_model)."""
-    from seedfed.shared.model.models import MeanPoolClassifier, apply_lora, frozen_prefix_depth
+    from seedfed.shared.model.classifier import MeanPoolClassifier, frozen_prefix_depth
+    from seedfed.shared.model.lora import apply_lora
     from seedfed.shared.model.quant.model import QuantConfig, quantize_model
     from seedfed.shared.model.scopes import build_scope
     from seedfed.shared.protocol.task import LoraOptions
@@ -156,7 +159,7 @@ def build_case(name: str, quick: bool) -> Case:
 
 def _llama_case(quick: bool, loss: Any, losses: Any) -> Case:
     from seedfed.bench.core_setup import QUICK, build_model, make_batch
-    from seedfed.shared.model.models import apply_lora
+    from seedfed.shared.model.lora import apply_lora
     from seedfed.shared.model.scopes import build_scope
     from seedfed.shared.protocol.task import LoraOptions
 
@@ -172,7 +175,7 @@ def _llama_case(quick: bool, loss: Any, losses: Any) -> Case:
 @contextlib.contextmanager
 def _whole_forward(model: nn.Module) -> Any:
     """MeZO's probe: every forward runs the whole model (the feature cache switched off)."""
-    from seedfed.shared.model.models import MeanPoolClassifier
+    from seedfed.shared.model.classifier import MeanPoolClassifier
 
     inner = next((m for m in model.modules() if isinstance(m, MeanPoolClassifier)), None)
     depth = inner.frozen_prefix if inner is not None else 0
@@ -189,9 +192,9 @@ def _stepper(case: Case, mode: str) -> Callable[[list[int]], Any]:
     """One ZO step of `mode`: `mezo` (two whole forwards per seed, MeZO's estimator),
     `sequential` (the same through the model's frozen-prefix feature cache), `shared` (the
     probe engine, prefix shared, one copy per forward) or `batched` (shared + stacked copies)."""
+    from seedfed.client.probes import ProbeEngine, engine_step
     from seedfed.shared.model.estimator import ZOConfig, spsa_step
     from seedfed.shared.model.perturb import Perturber
-    from seedfed.shared.model.probes import ProbeEngine, engine_step
 
     perturber = Perturber(case.scope)
     engine = ProbeEngine(case.model, case.scope, case.loss,

@@ -2,7 +2,7 @@
 
 Uploads are the one hot endpoint (every device, every round). FastAPI's routing and
 dependency solving cost more CPU per request than the validation and the batched insert
-together (measured with benchmarks/ingest.py), so `UploadFastPath` answers
+together (measured with `seedfed bench ingest`), so `UploadFastPath` answers
 `POST /v1/tasks/{task_id}/rounds/{round}/uploads` directly at the ASGI level with the same
 function the route uses (`ingest`); the route stays for OpenAPI and as the fallback
 (`Settings.upload_fast_path=False`). Both answer identically: same receipt, same typed errors.

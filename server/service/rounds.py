@@ -56,8 +56,9 @@ from seedfed.server.service.tasks import (
     spec_of,
     write_version_files,
 )
-from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.scopes import Scope
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.wire import (
     MAX_ABS_LOSS,
     MAX_ABS_SCALAR,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from seedfed.server import privacy
@@ -27,8 +27,8 @@ from seedfed.server.service.join_tokens import new_join_token
 from seedfed.server.service.lookups import get_task, hash_token
 from seedfed.server.service.waiting import TaskMoment, waiting_of
 from seedfed.server.store import StoredFile
-from seedfed.shared.model.models import build_model
-from seedfed.shared.model.probes import ProbeMemoryError, check_task_probes
+from seedfed.shared.model.factory import build_model
+from seedfed.shared.model.probe_check import ProbeMemoryError, check_task_probes
 from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.scopes import scope_epoch
 from seedfed.shared.protocol.errors import ScopeError, SeedfedError
@@ -268,9 +268,11 @@ def task_status(rt: Runtime, session: Session, *, task_id: str) -> TaskStatus:
     last = session.scalars(rounds.limit(1)).first()
     abandoned = session.scalars(rounds.where(RoundRow.state == RoundState.ABANDONED)
                                 .limit(1)).first()
-    state = "idle"
-    if last is not None and last.state in (RoundState.OPEN, RoundState.AGGREGATING):
-        state = last.state
+    state: Literal["idle", "open", "aggregating"] = "idle"
+    if last is not None and last.state == RoundState.OPEN:
+        state = "open"
+    elif last is not None and last.state == RoundState.AGGREGATING:
+        state = "aggregating"
     open_row = last if last is not None and state == RoundState.OPEN else None
     uploads = 0 if open_row is None else session.scalar(
         select(func.count()).select_from(UploadRow).where(UploadRow.round_id == open_row.id)) or 0
@@ -297,7 +299,8 @@ def task_status(rt: Runtime, session: Session, *, task_id: str) -> TaskStatus:
         close_attempts=0 if failure is None else failure.attempts,
         close_retry_at=None if failure is None else failure.retry_at,
         close_permanent=failure is not None and failure.permanent,
-        schedule=task.schedule, max_rounds=task.max_rounds,
-        uploads=uploads, deadline=moment.deadline, waiting_for=waiting_for, waiting=waiting,
+        schedule="auto" if task.schedule == Schedule.AUTO else "manual",
+        max_rounds=task.max_rounds, uploads=uploads, deadline=moment.deadline,
+        waiting_for=waiting_for, waiting=waiting,
         abandoned_round=None if abandoned is None else abandoned.number,
         abandon_reason=None if abandoned is None else abandoned.abandon_reason)

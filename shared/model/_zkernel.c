@@ -1,6 +1,6 @@
 /* The perturbation stream's hot loops in C: Philox4x64-10 words and fused multi-seed adds.
  *
- * Loaded with ctypes by seedfed/shared/zkernel.py (no Python.h needed, so it builds wherever a C
+ * Loaded with ctypes by shared/model/zkernel.py (no Python.h needed, so it builds wherever a C
  * compiler with 128-bit integers exists); the numpy path in stream.py stays the reference and
  * the fallback. The stream and the arithmetic are the contract of docs/protocol.md, section 1:
  *   block j of the stream of (seed, tid) = Philox4x64-10 at counter (j + 1, 0, 0, 0), key (seed, tid)

@@ -1,16 +1,16 @@
-"""The conformance kit: golden vectors of everything a device port must reproduce bit for bit.
+"""The conformance kit's torch reference: it computes every section of the golden file.
 
 `compute_conformance()` runs the reference implementation (`stream`, `replay`, `estimator`,
 `aggregate`, `wire`, and the published snapshot formats of `conformance_formats`) on small
-fixed inputs and returns the results as JSON-ready data; the
-committed copy is `shared/protocol/golden/conformance.json` (`committed_conformance()`), and
-`tests/shared/model/test_conformance.py` recomputes it, so the file can never drift from the code.
-`seedfed protocol vectors --all` prints both this and the stream vectors (`vectors.py`).
+fixed inputs and returns the results as JSON-ready data; the committed copy is
+`shared/protocol/golden/conformance.json` (`seedfed.shared.protocol.conformance.
+committed_conformance`), and `tests/shared/model/test_conformance.py` recomputes it, so the file
+can never drift from the code. `seedfed protocol vectors --all` prints both this and the stream
+vectors (`seedfed.shared.protocol.vectors`).
 
-Encoding (docs/protocol.md section 7): a uint64 is a 16-digit lowercase hex string (JSON
-numbers above 2**53 do not survive a float64 JSON reader); a float32 is the 8-digit hex of its
-IEEE bits; a float64 the 16-digit hex of its bits (with the decimal alongside for reading);
-z values are JSON integers -1 / +1; bytes are lowercase hex.
+The file's encodings (u64, f32, f64) and the numpy check of every section that needs no torch
+live in `seedfed.shared.protocol.conformance`; the `published` and `ternary` sections are
+checked only here, against this computation.
 """
 
 from __future__ import annotations
@@ -18,62 +18,27 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 import numpy as np
 import torch
 from seedfed.shared.model.conformance_formats import published_vectors, ternary_vectors
-from seedfed.shared.model.estimator import projected_gradient
-from seedfed.shared.model.replay import (
-    LogEntry,
-    apply_seeds,
-    checksum,
-    state_checksum,
-    update_coefficient,
-)
+from seedfed.shared.model.replay import apply_seeds, checksum, state_checksum
 from seedfed.shared.model.scopes import Scope, ScopedTensor
-from seedfed.shared.model.stream import (
-    philox4x64_10,
-    rademacher,
-    rademacher_at,
-    stream_words_at,
-    tensor_id,
-)
+from seedfed.shared.model.stream import rademacher, rademacher_at
 from seedfed.shared.protocol.aggregate import (
     AggregationConfig,
     aggregate,
     build_entry,
     round_weights,
 )
+from seedfed.shared.protocol.conformance import FORMAT, f32, f64, u64
 from seedfed.shared.protocol.errors import SeedfedError
+from seedfed.shared.protocol.npzo import LogEntry, projected_gradient, update_coefficient
+from seedfed.shared.protocol.philox import philox4x64_10, philox_rounds, stream_words_at, tensor_id
 from seedfed.shared.protocol.vectors import PHILOX_KAT, compute_vectors
 from seedfed.shared.protocol.wire import pack_binary, unpack_binary
 from torch import nn
-
-#: Version of the conformance file's layout (bumped when a section changes shape).
-FORMAT = 1
-MASK64 = (1 << 64) - 1
-# Philox4x64's multipliers and Weyl constants (Random123), for the round-by-round states.
-_M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
-_W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
-
-
-def u64(v: int) -> str:
-    return f"{v & ((1 << 64) - 1):016x}"
-
-
-def f32(v: float) -> str:
-    return struct.pack(">f", float(np.float32(v))).hex()
-
-
-def f64(v: float) -> dict[str, Any]:
-    return {"bits": struct.pack(">d", float(v)).hex(), "value": float(v)}
-
-
-def f32_value(bits: str) -> float:
-    """The float32 a `f32` string encodes (for the tests and `protocol check`)."""
-    return float(struct.unpack(">f", bytes.fromhex(bits))[0])
 
 
 # -- Philox -------------------------------------------------------------------------------------
@@ -81,29 +46,13 @@ def _philox() -> dict[str, Any]:
     kat = [{"counter": [u64(c) for c in counter], "key": [u64(k) for k in key],
             "output": [u64(w) for w in out]} for counter, key, out in PHILOX_KAT]
     counter, key, _ = PHILOX_KAT[2]
-    states = _philox_rounds(counter, key)
+    states = philox_rounds(counter, key)
     if states[-1] != philox4x64_10(counter, key):
         raise AssertionError("the round-by-round Philox disagrees with the reference")
     # The state after each round, so a port sees the first round where it goes wrong.
     return {"known_answers": kat,
             "rounds_of_known_answer_2": [{"rounds": r, "state": [u64(w) for w in st]}
                                          for r, st in enumerate(states)]}
-
-
-def _philox_rounds(counter: Sequence[int], key: Sequence[int],
-                   ) -> list[tuple[int, int, int, int]]:
-    """The Philox4x64 state after 0, 1, ..., 10 rounds (the 10th is `philox4x64_10`'s output,
-    checked above: this only exposes the intermediate states the reference does not return)."""
-    c0, c1, c2, c3 = (int(v) for v in counter)
-    k0, k1 = (int(v) for v in key)
-    out = [(c0, c1, c2, c3)]
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + _W0) & MASK64, (k1 + _W1) & MASK64
-        p0, p1 = _M0 * c0, _M1 * c2
-        c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & MASK64
-        out.append((c0, c1, c2, c3))
-    return out
 
 
 # -- tensor ids, blocks, slices, masked sets ------------------------------------------------------
@@ -334,14 +283,6 @@ def compute_conformance() -> dict[str, Any]:
             "ternary": ternary_vectors()}
 
 
-def committed_conformance() -> dict[str, Any]:
-    """The conformance file as committed in the repository (the reference)."""
-    text = (resources.files("seedfed.shared.protocol").joinpath("golden/conformance.json")
-            .read_text("utf-8"))
-    data: dict[str, Any] = json.loads(text)
-    return data
-
-
 def all_vectors() -> dict[str, Any]:
     """What `seedfed protocol vectors --all` prints: the stream's first blocks and the kit."""
     return {"stream": compute_vectors(), **compute_conformance()}
@@ -353,7 +294,8 @@ def dumps(data: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-if __name__ == "__main__":  # python -m seedfed.shared.model.conformance PATH: rewrite the golden file
+# python -m seedfed.shared.model.conformance PATH: rewrite the golden file
+if __name__ == "__main__":
     import sys
 
     with open(sys.argv[1], "w", encoding="utf-8") as f:

@@ -1,8 +1,8 @@
 """Conformance vectors of the published snapshot formats (docs/protocol.md section 6): the
 fp16/bf16 casts, the group-wise int8/int4 layout, the packed-ternary layer a ternary device
 loads (with gamma, the mask, the activations' fake quantization and the checksum it verifies),
-and a whole safetensors file to parse. `shared.conformance` adds them to the kit as the
-`published` and `ternary` sections; the reference implementation computes every value.
+and a whole safetensors file to parse. `seedfed.shared.model.conformance` adds them to the kit
+as the `published` and `ternary` sections; the reference implementation computes every value.
 
 Inputs are exact binary fractions (any reader holds the same float32 bits), chosen to reach
 the rules a port gets wrong: round-half-to-even ties of every rounding step, a group of zeros
@@ -16,7 +16,6 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from seedfed.shared.model.quant.groupwise import dequantize, pack_int4, unpack_int4
@@ -30,14 +29,11 @@ from seedfed.shared.model.ternary.quantize import (
     quantize_activations,
     ternarize,
 )
+from seedfed.shared.protocol.conformance import f32
 
 #: safetensors' dtype names of the tensors the formats write.
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32"}
-
-
-def _f32(v: float) -> str:
-    return struct.pack(">f", float(np.float32(v))).hex()
 
 
 def _bits16(t: torch.Tensor) -> list[str]:
@@ -50,7 +46,7 @@ def _tensor(t: torch.Tensor) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
     flat = t.detach().reshape(-1)
     if t.dtype == torch.float32:
-        out["values"] = [_f32(v) for v in flat.tolist()]
+        out["values"] = [f32(v) for v in flat.tolist()]
     elif t.dtype in (torch.float16, torch.bfloat16):
         out["values"] = _bits16(flat)
     else:
@@ -70,7 +66,7 @@ CAST_VALUES: tuple[float, ...] = (
 def _casts() -> list[dict[str, Any]]:
     x = torch.tensor(CAST_VALUES, dtype=torch.float32)
     f16, bf16 = _bits16(x.to(torch.float16)), _bits16(x.to(torch.bfloat16))
-    return [{"f32": _f32(v), "f16": a, "bf16": b}
+    return [{"f32": f32(v), "f16": a, "bf16": b}
             for v, a, b in zip(x.tolist(), f16, bf16, strict=True)]
 
 
@@ -101,12 +97,12 @@ def _decoded(published: Mapping[str, torch.Tensor], state: Mapping[str, torch.Te
     out = {}
     for name, value in state.items():
         if name in published:
-            out[name] = [_f32(v) for v in published[name].reshape(-1).tolist()]
+            out[name] = [f32(v) for v in published[name].reshape(-1).tolist()]
             continue
         codes = published[f"{name}.codes"]
         ints = codes if bits == 8 else unpack_int4(codes)
         w = dequantize(ints, published[f"{name}.scales"], value.shape[1])
-        out[name] = [_f32(v) for v in w.reshape(-1).tolist()]
+        out[name] = [f32(v) for v in w.reshape(-1).tolist()]
     return out
 
 
@@ -162,17 +158,17 @@ def _ternary() -> dict[str, Any]:
                      dtype=torch.float32)
     state = {f"{TERNARY_LAYER}.weight": latent}
     return {"layer": TERNARY_LAYER, "shape": list(TERNARY_SHAPE),
-            "latents": [_f32(v) for v in w.reshape(-1).tolist()],
-            "gamma": _f32(float(gamma)), "q": [int(v) for v in q.reshape(-1).tolist()],
+            "latents": [f32(v) for v in w.reshape(-1).tolist()],
+            "gamma": f32(float(gamma)), "q": [int(v) for v in q.reshape(-1).tolist()],
             "mask_fraction": TERNARY_MASK_FRACTION,
-            "distance": [_f32(v) for v in (w.abs() / gamma - 0.5).abs().reshape(-1).tolist()],
+            "distance": [f32(v) for v in (w.abs() / gamma - 0.5).abs().reshape(-1).tolist()],
             "tensors": {k: _tensor(v) for k, v in sorted(published.items())},
-            "effective_weight": [_f32(v) for v in (loaded.float() * gamma).reshape(-1).tolist()],
-            "scope_state": {k: [_f32(v) for v in t.tolist()] for k, t in state.items()},
+            "effective_weight": [f32(v) for v in (loaded.float() * gamma).reshape(-1).tolist()],
+            "scope_state": {k: [f32(v) for v in t.tolist()] for k, t in state.items()},
             "checksum": state_checksum(state),
             "checksum_with_head": state_checksum({**state, TERNARY_HEAD: head.reshape(-1)}),
-            "activations": {"act_bits": 8, "x": [[_f32(v) for v in r] for r in x.tolist()],
-                            "quantized": [[_f32(v) for v in r] for r in
+            "activations": {"act_bits": 8, "x": [[f32(v) for v in r] for r in x.tolist()],
+                            "quantized": [[f32(v) for v in r] for r in
                                           quantize_activations(x, 8).tolist()]}}
 
 
@@ -213,7 +209,7 @@ def published_vectors() -> dict[str, Any]:
     state = format_state()
     return {"group_size": PUBLISH_GROUP_SIZE, "casts": _casts(),
             "state": {k: {"shape": list(v.shape),
-                          "values": [_f32(x) for x in v.reshape(-1).tolist()]}
+                          "values": [f32(x) for x in v.reshape(-1).tolist()]}
                       for k, v in state.items()},
             "int8": _groupwise(8), "int4": _groupwise(4), "file": _file()}
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from seedfed.shared.model.perturb import Mode, Perturber
-from seedfed.shared.model.replay import apply_seeds, update_coefficients
+from seedfed.shared.model.replay import apply_seeds
 from seedfed.shared.model.scopes import Scope
 
-# The scalar rule is numpy-only (`npzo`, shared with the torch-free device); re-exported.
-from seedfed.shared.protocol.npzo import projected_gradient as projected_gradient
+# The scalar rule is numpy-only (`npzo`, shared with the torch-free device).
+from seedfed.shared.protocol.npzo import projected_gradient, update_coefficients
 
 LossFn = Callable[[], float]
 

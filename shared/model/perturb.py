@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from seedfed.shared.model.scopes import Scope, ScopedTensor
 from seedfed.shared.model.stream import (
-    BLOCK_ELEMENTS,
     Words,
     add_seeds_,
     add_words,
@@ -33,6 +32,7 @@ from seedfed.shared.model.stream import (
     rademacher_rows,
     tensor_words,
 )
+from seedfed.shared.protocol.philox import BLOCK_ELEMENTS
 from torch import nn
 
 Mode = Literal["auto", "copy", "virtual"]

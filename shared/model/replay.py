@@ -22,12 +22,12 @@ from seedfed.shared.model.scopes import Scope
 from seedfed.shared.model.stream import add_seeds_, add_words
 from seedfed.shared.protocol.errors import ChecksumMismatchError
 
-# Entries and the coefficient rule are numpy-only (`npzo`, shared with the torch-free device);
-# re-exported here, where both sides have always imported them from.
-from seedfed.shared.protocol.npzo import LogEntry as LogEntry
-from seedfed.shared.protocol.npzo import check_entries, hash_values
-from seedfed.shared.protocol.npzo import update_coefficient as update_coefficient
-from seedfed.shared.protocol.npzo import update_coefficients as update_coefficients
+# Entries and the coefficient rule are numpy-only (`npzo`, shared with the torch-free device).
+from seedfed.shared.protocol.npzo import (
+    LogEntry,
+    check_entries,
+    hash_values,
+)
 
 
 def checksum(scope: Scope) -> str:

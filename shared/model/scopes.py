@@ -340,6 +340,6 @@ def _build_lora(model: nn.Module, options: NoOptions) -> Scope:
     if not chosen:
         raise ScopeError(
             f"scope 'lora': {type(model).__name__} has no LoRA adapters; wrap it with "
-            "peft.get_peft_model (seedfed.shared.model.models.apply_lora) first"
+            "peft.get_peft_model (seedfed.shared.model.lora.apply_lora) first"
         )
     return LoraScope(model, chosen)

@@ -36,16 +36,18 @@ from seedfed.shared.model import torch_philox
 from seedfed.shared.model.zkernel import KERNEL
 
 # The integer part of the stream is numpy-only and lives in `philox.py` (an inference-engine
-# device uses it without torch); it is re-exported here, its one definition.
-from seedfed.shared.protocol.philox import BLOCK_ELEMENTS as BLOCK_ELEMENTS
-from seedfed.shared.protocol.philox import CHUNK_ELEMENTS as CHUNK_ELEMENTS
-from seedfed.shared.protocol.philox import MASK64 as MASK64
-from seedfed.shared.protocol.philox import philox4x64_10 as philox4x64_10
-from seedfed.shared.protocol.philox import signs_at, signs_i8
+# device uses it without torch): its one definition, imported from there by every module.
+from seedfed.shared.protocol.philox import (
+    BLOCK_ELEMENTS,
+    CHUNK_ELEMENTS,
+    MASK64,
+    signs_at,
+    signs_i8,
+    stream_words,
+    stream_words_at,
+    tensor_id,
+)
 from seedfed.shared.protocol.philox import stream_gen as _stream_gen
-from seedfed.shared.protocol.philox import stream_words as stream_words
-from seedfed.shared.protocol.philox import stream_words_at as stream_words_at
-from seedfed.shared.protocol.philox import tensor_id as tensor_id
 
 #: Environment variable choosing where CPU tensors' stream runs, read when the module loads:
 #: "auto" (the default: the C kernel, or numpy without it) or "torch" (the torch ops every

@@ -30,7 +30,7 @@ UNIFORM_RULES: tuple[str, ...] = ("trimmed_mean", "median")
 #: Default cap of one device's aggregation weight (AggregationConfig.max_num_examples).
 DEFAULT_MAX_NUM_EXAMPLES = 100_000
 #: Default of AggregationConfig.max_weight_ratio: no device weighs more than the round's
-#: median claim (benchmarks/byzantine.py: FedAvg's weights below the median keep most of their
+#: median claim (`seedfed bench byzantine`: FedAvg's weights below the median keep most of their
 #: accuracy on a skewed fleet, 0.839 against 0.846 uncapped and 0.824 uniform).
 DEFAULT_MAX_WEIGHT_RATIO = 1.0
 #: Highest cap a task may set: the wire bound of num_examples (2**31 - 1).

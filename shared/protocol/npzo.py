@@ -2,7 +2,7 @@
 the checksum, and replay over a state of flat float32 arrays.
 
 `replay.py` and `estimator.py` (torch) take their rules from here, so a device that runs its
-forwards on an inference engine (`seedfed.client.ort`, numpy + ONNX Runtime) computes the same
+forwards on an inference engine (`seedfed.client.backends.ort`: numpy, ORT) computes the same
 scalars' float32 rounding, the same coefficients, the same update bits and the same checksum
 as the torch device and the coordinator, without importing torch (docs/protocol.md, sections
 2 and 3).

@@ -4,7 +4,7 @@ The contract is `stream.py`'s (docs/protocol.md, section 1): z(seed, name) in {-
 (i mod 64) of word i // 64 of Philox4x64-10 keyed by (seed, tensor_id(name)) at counter
 (j + 1, 0, 0, 0). This module holds the integer part of it (tensor ids, raw words, the sign
 unpacking) and the numpy form of the replay addition, so `stream.py` (torch) and an inference-
-engine device (`seedfed.client.ort`, numpy + ONNX Runtime) share one definition of every bit.
+engine device (`seedfed.client.backends.ort`: numpy, ORT) share one definition of every bit.
 """
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ def philox4x64_10(counter: Sequence[int], key: Sequence[int]) -> tuple[int, int,
         p0, p1 = _M0 * c0, _M1 * c2
         c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & MASK64
     return c0, c1, c2, c3
+
+
+def philox_rounds(counter: Sequence[int], key: Sequence[int],
+                  ) -> list[tuple[int, int, int, int]]:
+    """The Philox4x64 state after 0, 1, ..., 10 rounds, for a port to find the first round it
+    gets wrong (the conformance kit); the last is `philox4x64_10`'s output. A loop of its own,
+    so the kit's check of one against the other compares two implementations."""
+    c0, c1, c2, c3 = (int(v) & MASK64 for v in counter)
+    k0, k1 = (int(v) & MASK64 for v in key)
+    out = [(c0, c1, c2, c3)]
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _W0) & MASK64, (k1 + _W1) & MASK64
+        p0, p1 = _M0 * c0, _M1 * c2
+        c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & MASK64
+        out.append((c0, c1, c2, c3))
+    return out
 
 
 def _key(seed: int, tid: int) -> np.ndarray:

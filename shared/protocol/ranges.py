@@ -6,7 +6,7 @@ class's `__post_init__` (`check_fields`), so a bad value fails at task creation 
 naming the field and its range (the API answers 422). The ranges are sized so that no accepted
 task can overflow float32 in a round's coefficient (`shared.npzo.update_coefficients`), nor ask
 a device or the coordinator for more memory than the budgets below, while staying far outside
-what real tasks use (the recipes in `client/recipes.py` sit well inside every one).
+what real tasks use (the recipes in `shared/protocol/recipes.py` sit well inside every one).
 
 Why the coefficients stay finite: a coefficient is -(lr / P) * AGG, rounded to float32 once,
 then multiplied by a step scale c_t. AGG is a combination of uploaded scalars, each within the

@@ -174,7 +174,7 @@ class MaskConfig:
     selection: Selection = "threshold"
     # 1%: a device then holds 8 bytes (index + fp32 latent) per masked weight, 1.8% of the
     # fp32 model, and a ZO step peaks at 1.065 x packed inference on a 1.1B Llama; 2% learns
-    # ~20% faster per forward but peaks at 1.156 x (benchmarks/ternary.py, README).
+    # ~20% faster per forward but peaks at 1.156 x (`seedfed bench ternary`, README).
     fraction: float = 0.01
     epoch_rounds: int = 10
     seed: int = 0

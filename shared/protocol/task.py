@@ -32,7 +32,7 @@ from seedfed.shared.protocol.scope_options import ScopeOptions, TernaryOptions, 
 SPEC_VERSION = 4
 
 #: Extra activation memory (MB) a device may spend stacking probes in one forward, unless the
-#: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.shared.model.probes`).
+#: task says otherwise (`Hyper.probe_memory_mb`; `seedfed.client.probes`).
 DEFAULT_PROBE_MEMORY_MB = 32.0
 
 ModelKind = Literal["causal_lm", "seq_cls"]
@@ -168,8 +168,8 @@ class RoundHyper(NamedTuple):
 @dataclass(frozen=True)
 class TaskSpec:
     """A task definition. `scope_options` holds the typed options of `scope`
-    (`seedfed.shared.protocol.scope_options`); a JSON object (or None) is accepted on input, as stored
-    specs and older callers give it, and validated into them."""
+    (`seedfed.shared.protocol.scope_options`); a JSON object (or None) is accepted on input, as
+    stored specs and older callers give it, and validated into them."""
 
     model_path: str
     model_kind: ModelKind = "seq_cls"
@@ -213,7 +213,8 @@ class TaskSpec:
             raise ValueError(f"scope 'scales' needs format int8 or int4, got {self.format!r}")
         # scope 'lora' on int8/int4: the adapters are applied to the float model first and the
         # base Linear layers under them quantized afterwards (QLoRA's layout: a quantized shared
-        # base, float adapters), so nothing needs refusing here (`shared.models.build_model`).
+        # base, float adapters), so nothing needs refusing here
+        # (`seedfed.shared.model.factory.build_model`).
         if self.scope == "ternary" and self.model_kind == "causal_lm" and \
                 getattr(self.scope_options, "train_head", False):
             # A causal LM's head (lm_head) is no classification head; the latents train.

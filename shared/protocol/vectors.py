@@ -1,8 +1,9 @@
 """Golden vectors of the perturbation stream, for tests and for devices written in other languages.
 
 A port implements the four lines of the stream contract (docs/protocol.md, section 1) and checks
-itself against `shared/protocol/golden/vectors.json`: for each (seed, name) the tensor id and the first
-256 values of z. `seedfed protocol vectors` prints the same list.
+itself against `shared/protocol/golden/vectors.json`: for each (seed, name) the tensor id and the
+first 256 values of z. `seedfed protocol vectors` prints the same list. The numpy stream of
+`philox` computes them here, so the protocol layer checks itself without torch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from seedfed.shared.model.stream import philox4x64_10, rademacher, tensor_id
+from seedfed.shared.protocol.philox import philox4x64_10, signs, tensor_id
 
 GOLDEN_CASES: tuple[tuple[int, str], ...] = (
     (0, ""),
@@ -41,7 +42,7 @@ def compute_vectors() -> list[dict[str, Any]]:
     """The golden vectors as computed by this implementation."""
     out = []
     for seed, name in GOLDEN_CASES:
-        z = rademacher(seed, name, N_VALUES)
+        z = signs(seed, name, N_VALUES)
         out.append({"seed": seed, "name": name, "tensor_id": tensor_id(name),
                     "z": [int(v) for v in z.tolist()]})
     return out
@@ -49,7 +50,8 @@ def compute_vectors() -> list[dict[str, Any]]:
 
 def committed_vectors() -> list[dict[str, Any]]:
     """The golden vectors as committed in the repository (the reference)."""
-    text = resources.files("seedfed.shared.protocol").joinpath("golden/vectors.json").read_text("utf-8")
+    text = (resources.files("seedfed.shared.protocol").joinpath("golden/vectors.json")
+            .read_text("utf-8"))
     data: list[dict[str, Any]] = json.loads(text)
     return data
 

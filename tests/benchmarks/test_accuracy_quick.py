@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/accuracy.py on a tiny BERT and a generated sentiment file: every
+"""Smoke test of `seedfed bench accuracy` on a tiny BERT and a generated sentiment file: every
 method runs (the federated ZO one through `seedfed simulate`'s in-process engine, the first-order
 references on the simulated devices' own partitions) and the JSON, table and PNG come out with
 counts that follow from the settings. The MiniLM figures are the full run's (docs/accuracy.md)."""
@@ -7,32 +7,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from seedfed.bench import accuracy as bench
 from tests.fleet_helpers import make_tiny_bert, write_sentiment_tsv
-from tests.scripts_loader import load_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return load_script("benchmarks/accuracy.py", "bench_accuracy")
-
-
-def test_every_method_runs_and_reports_its_budget(bench: ModuleType, tmp_path: Path) -> None:
+def test_every_method_runs_and_reports_its_budget(tmp_path: Path) -> None:
     model = make_tiny_bert(tmp_path / "model")
     data = write_sentiment_tsv(tmp_path / "data.tsv", n=600)
     out = tmp_path / "acc.json"
     methods = "zero_shot,fo_full,fedavg_fo_lora,fed_zo_head"  # probe: MiniLM (mean pooling) only
 
-    result = bench.main(["--data", str(data), "--model", str(model), "--methods", methods,
+    code = bench.main(["--data", str(data), "--model", str(model), "--methods", methods,
                          "--devices", "3", "--pool", "0", "--test-size", "40", "--rounds", "2",
                          "--eval-every", "1", "--fedavg-rounds", "1", "--fedavg-steps", "1",
                          "--out", str(out)])
 
+    result = json.loads(out.read_text())
+    assert code == 0 and result["split"] == "test"
     assert set(result["methods"]) == set(methods.split(","))
     fed = result["methods"]["fed_zo_head"]
     hyper = fed["extra"]["hyper"]
@@ -42,5 +38,4 @@ def test_every_method_runs_and_reports_its_budget(bench: ModuleType, tmp_path: P
     assert [p["round"] for p in fed["points"]] == [0, 1, 2]
     assert all(0 <= m["final_accuracy"] <= 1 for m in result["methods"].values())
     assert result["methods"]["fedavg_fo_lora"]["model_calls"] == 3  # 1 round x 3 devices x 1
-    assert json.loads(out.read_text())["split"] == "test"
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

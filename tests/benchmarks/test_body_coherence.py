@@ -1,4 +1,4 @@
-"""benchmarks/body_coherence.py on a synthetic cache (no model, seconds): the head scope's
+"""`seedfed.bench.body_coherence` on a synthetic cache (no model, seconds): the head scope's
 gradient, Fisher and Gauss-Newton traces against their closed forms, the Hutchinson Hessian
 trace against autograd's Hessian, and the round's effective batch."""
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.scripts_loader import load_script
+from seedfed.bench import body_coherence
 
 HIDDEN = 8
 
 
 @pytest.fixture(scope="module")
 def coherence() -> ModuleType:
-    return load_script("benchmarks/body_coherence.py", "bench_body_coherence")
+    return body_coherence
 
 
 def synthetic_cache(examples: int = 48) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/byzantine.py on synthetic features (no model, seconds): it writes
+"""Smoke test of `seedfed bench byzantine` on synthetic features (no model, seconds): it writes
 its JSON and PNG, the mean is steered by 20% Byzantine devices, the median (which weighs every
 device the same) is not, and claims buy the median nothing. The MiniLM figures are the full
 run's (docs/reliability.md)."""
@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.scripts_loader import load_script
+from seedfed.bench import byzantine
 
 
-@pytest.fixture(scope="module")
-def byzantine() -> ModuleType:
-    return load_script("benchmarks/byzantine.py", "bench_byzantine")
-
-
-def test_robust_rule_bounds_what_the_mean_does_not(byzantine: ModuleType,
-                                                   tmp_path: Path) -> None:
+def test_robust_rule_bounds_what_the_mean_does_not(tmp_path: Path) -> None:
     out, png = tmp_path / "byz.json", tmp_path / "byz.png"
 
-    result = byzantine.main(["--synthetic", "--rounds", "30", "--fractions", "0.2",
+    code = byzantine.main(["--synthetic", "--rounds", "30", "--fractions", "0.2",
                              "--attacks", "extreme", "inflated", "--rules", "mean", "mean_nk",
                              "median", "--json", str(out), "--png", str(png)])
 
@@ -32,7 +25,8 @@ def test_robust_rule_bounds_what_the_mean_does_not(byzantine: ModuleType,
         (row,) = [r for r in result["rows"] if r["rule"] == rule and r["attack"] == attack]
         return row  # type: ignore[no-any-return]
 
-    assert json.loads(out.read_text())["rows"] and png.stat().st_size > 0
+    result = json.loads(out.read_text())
+    assert code == 0 and result["rows"] and png.stat().st_size > 0
     # extreme values steer the mean below where it started; the median keeps training
     mean, med = final("mean", "extreme"), final("median", "extreme")
     assert mean["val_loss"][-1] > mean["val_loss"][0] and mean["val_accuracy"][-1] < 0.6

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/catchup.py --quick: it runs, writes its JSON, and its crossover is
+"""Smoke test of `seedfed bench catchup --quick`: it runs, writes its JSON, and its crossover is
 the decision function's (replay below k*, download above). No timing assertions."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from pathlib import Path
 
 from seedfed.client.catchup import choose_catchup
 
-from tests.scripts_loader import load_script
+from seedfed.bench import catchup as bench
 
 
 def test_quick_run_writes_positive_figures_and_a_consistent_crossover(tmp_path: Path) -> None:
-    bench = load_script("benchmarks/catchup.py", "bench_catchup")
     out = tmp_path / "catchup.json"
 
-    rows = bench.main(["--quick", "--entries", "1", "--repeats", "1", "--json", str(out)])
+    code = bench.main(["--quick", "--entries", "1", "--repeats", "1", "--json", str(out)])
 
-    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    rows = json.loads(out.read_text())["rows"]
+    assert code == 0 and rows
     for r in rows:
         assert r["replay_rate"] > 0 and r["load_rate"] > 0 and r["snapshot_bytes"] > 0
         k_star = r["crossover"]["1e+06"]

@@ -1,7 +1,7 @@
 """Smoke test of `seedfed bench core --quick`: it runs end to end and writes sane JSON.
 
 No timing assertions: the figures depend on the machine and its load. The targets themselves
-are judged by the full benchmark (benchmarks/core.py), not by tests.
+are judged by the full benchmark (`seedfed bench core`), not by tests.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 uploads (once at a random moment, once right after a round reached its quorum, so inside the
 close that follows), restarts it, and must find every accepted upload stored once, versions
 contiguous and replay from v0 equal to every checksum. The full campaign (>= 100 kills per
-backend) is `python benchmarks/crash.py`; docs/reliability.md has its figures."""
+backend) is `seedfed bench crash`; docs/reliability.md has its figures."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""CI-sized fleet-size benchmark: `benchmarks/fleet_size.py` runs `seedfed simulate` for two fleet
-sizes with the same devices per round and records each one's round wall and peak memory. The
+"""CI-sized fleet-size benchmark: `seedfed bench fleet_size` runs `seedfed simulate` for two
+fleet sizes with the same devices per round and records each one's round wall and peak memory. The
 full run (100 / 1,000 / 10,000 devices, 100 a round, both engines) is its docstring's command;
 benchmarks/results/fleet_size.json holds its figures."""
 
@@ -25,7 +25,7 @@ def test_two_fleet_sizes_run_and_are_compared(tmp_path: Path) -> None:
     out = tmp_path / "fleet_size.json"
     # Act
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fleet_size.py"), "--data", str(data),
+        [sys.executable, "-m", "seedfed.bench.fleet_size", "--data", str(data),
          "--fleets", "20", "400", "--per-round", "10", "--rounds", "2", "--engines",
          "inprocess", "--cache", str(tmp_path / "features"), "--json", str(out)],
         capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)

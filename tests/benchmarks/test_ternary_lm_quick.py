@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/ternary_lm.py on a tiny causal-LM base: the devices' file holds only
+"""Smoke test of `seedfed.bench.ternary_lm` on a tiny causal-LM base: the devices' file holds only
 sentences the base never saw, and a 2-round federated run through the real round code reaches
 version 2 with finite perplexities on every device's held-out sentences. No accuracy claims."""
 
@@ -11,8 +11,8 @@ import pytest
 from seedfed.client.device_data import dataset_splits
 
 from seedfed import ternarize as tz
+from seedfed.bench import ternary_lm as bench
 from tests.fleet_helpers import write_sentiment_tsv
-from tests.scripts_loader import load_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -23,7 +23,6 @@ CONFIG = tz.CausalLMConfig(vocab=300, hidden=32, layers=2, heads=4, intermediate
 
 def test_the_fleet_gets_unseen_sentences_and_a_run_scores_before_and_after(
         tmp_path: Path) -> None:
-    bench = load_script("benchmarks/ternary_lm.py", "bench_ternary_lm")
     data = write_sentiment_tsv(tmp_path / "data.tsv", n=1400)
     meta = tz.ternarize_causal(data, tmp_path / "base", CONFIG)
     budget = bench.LMBudget(rounds=2, devices=2, per_round=2, perturbations=2, batch_size=4,

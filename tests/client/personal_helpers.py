@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from seedfed.client import data as data_mod
 from seedfed.client.personal import PersonalConfig, PersonalPart
-from seedfed.shared.model.models import ModelBundle, build_model
+from seedfed.shared.model.factory import ModelBundle, build_model
 from seedfed.shared.protocol.task import Hyper, TaskSpec
 
 from tests.fleet_helpers import make_tiny_sentence_bert, write_sentiment_tsv

@@ -20,7 +20,8 @@ from seedfed.client.data import (
     tokenize,
     train_batches,
 )
-from seedfed.client.preference import PREFERENCE_LABEL_TEXTS, preference_examples
+from seedfed.client.preference import preference_examples
+from seedfed.shared.protocol.recipes import PREFERENCE_LABEL_TEXTS
 
 
 def _write(path: Path, text: str) -> Path:

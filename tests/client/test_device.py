@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from seedfed.client.device import FP32, Device, DeviceStateError, Fetch, MemoryStore, StoredState
+from seedfed.client.backends.base import FP32, DeviceStateError, Fetch, StoredState
+from seedfed.client.device import Device, MemoryStore
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.model.replay import LogEntry
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.task import Hyper, TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 

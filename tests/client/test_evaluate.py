@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 from seedfed.client.evaluate import evaluate, latest_snapshot
-from seedfed.client.recipes import HEAD_OPTIONS, HEAD_SCOPE, SST2_LABEL_TEXTS
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
+from seedfed.shared.protocol.recipes import HEAD_OPTIONS, HEAD_SCOPE, SST2_LABEL_TEXTS
 from seedfed.shared.protocol.task import TaskSpec
 from typer.testing import CliRunner
 

@@ -102,7 +102,7 @@ def test_devices_follow_the_task_across_mask_epoch_starts(fleet: dict,
     assert synced == [{"entries"}, {"snapshot-ternary@2"}, {"entries"}, {"snapshot-ternary@4"}]
     devices = list(flower_app.RUNTIME._devices.values())
     assert len(devices) == 1
-    model = devices[0].model.model
+    model = devices[0].backend.model.model
     assert all(m.weight is None and m.packed is not None for _, m in bitlinear_modules(model))
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from seedfed.client.backends.torch import TorchBackend
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import TERNARY_SNAPSHOT_FILE, DeviceConfig, HttpDevice
+from seedfed.client.ternary import PackedTernary
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
@@ -27,6 +29,12 @@ from tests.fleet_helpers import replay_when_allowed, ternary_spec
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 EPOCH_ROUNDS = 2
+
+def _packed(d: HttpDevice) -> PackedTernary | None:
+    """The device's packed ternary model, once it built its device."""
+    backend = None if d.device is None else d.device.backend
+    return backend.packed if isinstance(backend, TorchBackend) else None
+
 
 
 @pytest.fixture
@@ -75,8 +83,8 @@ def test_two_devices_follow_four_rounds_across_two_mask_epoch_starts(world: dict
         # Assert (per round): every device stands at the coordinator's new version
         assert status.version == r and entry.checksum == status.checksum
         assert [(x.version, x.checksum) for x in results] == [(r, status.checksum)] * 2
-        assert all(d.ternary is not None and d.ternary.scope is not None
-                   and checksum(d.ternary.scope) == status.checksum for d in devices)
+        assert all(_packed(d) is not None and _packed(d).scope is not None
+                   and checksum(_packed(d).scope) == status.checksum for d in devices)
         synced.append([x.method for x in results])
 
     # new devices load v0's snapshot; afterwards they are current when each round opens
@@ -86,7 +94,7 @@ def test_two_devices_follow_four_rounds_across_two_mask_epoch_starts(world: dict
     assert downloads == [[], ["2?format=ternary"] * 2, [], ["4?format=ternary"] * 2]
     assert [m.participants for m in coord.round_metrics(task)] == [2, 2, 2, 2]
     for d in devices:
-        t = d.ternary
+        t = _packed(d)
         assert t is not None and t.scope is not None
         layers = bitlinear_modules(t.model)
         assert all(m.weight is None and m.packed is not None for _, m in layers), "packed"

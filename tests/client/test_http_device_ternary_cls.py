@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from seedfed.client.backends.torch import TorchBackend
 from seedfed.client.device_data import DeviceData
 from seedfed.client.http_device import DeviceConfig, HttpDevice
+from seedfed.client.ternary import PackedTernary
 from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
@@ -34,6 +36,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 EPOCH_ROUNDS = 2
 #: c_t of the head's bias and weight, and of layer 0's masked latents
 STEP_SCALES = (("classifier.bias", 0.5), ("classifier", 4.0), ("layer.0.", 0.25))
+
+def _packed(d: HttpDevice) -> PackedTernary | None:
+    """The device's packed ternary model, once it built its device."""
+    backend = None if d.device is None else d.device.backend
+    return backend.packed if isinstance(backend, TorchBackend) else None
+
 
 
 @pytest.fixture(params=[(), STEP_SCALES], ids=["unscaled", "step_scales"])
@@ -72,19 +80,19 @@ def test_two_devices_train_the_masked_latents_and_the_head_across_epoch_starts(
         for d in devices:
             d.train_and_upload(plan)
             if head_v0 is None:
-                head_v0 = d.ternary.model.classifier.weight.clone()  # type: ignore[union-attr]
+                head_v0 = _packed(d).model.classifier.weight.clone()  # type: ignore[union-attr]
         coord.close_round(task)
         results = [d.sync() for d in devices]
         status = coord.task_status(task)
         # Assert (per round): both devices hold the coordinator's version, bit for bit
         assert [(x.version, x.checksum) for x in results] == [(r, status.checksum)] * 2
-        assert all(d.ternary is not None and d.ternary.scope is not None
-                   and checksum(d.ternary.scope) == status.checksum for d in devices)
+        assert all(_packed(d) is not None and _packed(d).scope is not None
+                   and checksum(_packed(d).scope) == status.checksum for d in devices)
         synced.append([x.method for x in results])
 
     assert synced == [["replay"] * 2, ["snapshot"] * 2, ["replay"] * 2, ["snapshot"] * 2]
     for d in devices:
-        t = d.ternary
+        t = _packed(d)
         assert t is not None and t.scope is not None
         assert "classifier.weight" in t.scope.names
         assert all(m.weight is None and m.packed is not None
@@ -122,7 +130,7 @@ def test_alternate_epochs_train_the_head_and_the_latents_in_turn(tmp_path: Path)
                 coord.close_round(task)
                 results = [d.sync() for d in devices]
                 status = coord.task_status(task)
-                t = devices[0].ternary
+                t = _packed(devices[0])
                 assert t is not None and t.scope is not None
                 seen.append(((plan.steps, plan.perturbations), plan.lr, tuple(t.scope.names),
                              t.model.classifier.weight.clone(),  # type: ignore[union-attr]

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
-from seedfed.client.ternary import PackedTernary, TernaryDeviceError
-from seedfed.shared.model.models import build_model
+from seedfed.client.backends.base import DeviceStateError
+from seedfed.client.ternary import PackedTernary
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.ternary import (
     TernaryFormatError,
@@ -144,9 +145,9 @@ def test_no_codes_before_the_first_snapshot(tiny_llama: Path) -> None:
     layers = bitlinear_modules(device.model)
     assert layers and all(m.packed is None and m.latent is None for _, m in layers)
     assert not any(p.is_meta for p in device.model.parameters())
-    with pytest.raises(TernaryDeviceError, match="no snapshot"):
+    with pytest.raises(DeviceStateError, match="no snapshot"):
         _ = device.bundle
-    with pytest.raises(TernaryDeviceError, match="no snapshot"):
+    with pytest.raises(DeviceStateError, match="no snapshot"):
         _ = device.trainer
     with pytest.raises(ScopeError, match="first snapshot"), torch.no_grad():
         device.model(input_ids=torch.tensor([[5, 6, 7]]))
@@ -179,7 +180,7 @@ _CHILD = textwrap.dedent("""
     from pathlib import Path
     import torch
     from seedfed.client.ternary import PackedTernary
-    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.factory import build_model
     from seedfed.shared.protocol.task import TaskSpec
     from seedfed.shared.model.ternary import bitlinear_modules
 

@@ -25,7 +25,7 @@ from seedfed.client.personal import (
     model_fingerprint,
     shared_head,
 )
-from seedfed.shared.model.models import ModelBundle
+from seedfed.shared.model.factory import ModelBundle
 
 from tests.client.personal_helpers import build_assets, bundle_of, flipped, trained
 

@@ -1,20 +1,21 @@
 import pytest
 import torch
+from seedfed.client.backends.base import SyncResult
 from seedfed.client.sync import (
-    SyncResult,
     catch_up,
     load_state,
     replay_cost_bytes,
     snapshot_cost_bytes,
     state_bytes,
 )
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
+from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope, build_scope
 from seedfed.shared.protocol.errors import (
     ChecksumMismatchError,
     LogEntryMismatchError,
     WireFormatError,
 )
+from seedfed.shared.protocol.npzo import LogEntry
 from torch import nn
 
 TASK = "t1"

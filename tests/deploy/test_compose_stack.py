@@ -204,7 +204,7 @@ def test_compose_stack_two_rounds_restart_and_replay(stack: dict) -> None:
 def _replay_here(work: Path, spec: dict, snapshot0: bytes, log: list[dict]) -> str:
     """Version 0 plus the coordinator's log, replayed in this process: the final checksum."""
     from seedfed.client.sync import load_state
-    from seedfed.shared.model.models import build_model
+    from seedfed.shared.model.factory import build_model
     from seedfed.shared.model.replay import checksum, replay
     from seedfed.shared.protocol.task import TaskSpec
     from seedfed.shared.protocol.wire import LogEntryWire

@@ -1,5 +1,5 @@
-"""scripts/check_imports.py: the tree has no import cycle and no client <-> server import, and
-the checker sees function-level imports."""
+"""scripts/check_imports.py: the tree has no import cycle, no forbidden import, no relative
+import and no torch in the protocol layer, and the checker sees function-level imports."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 def test_a_cycle_through_a_function_level_import_is_found(tmp_path: Path) -> None:
     # Arrange
     root = _tree(tmp_path, {
-        "server/app.py": "from .api import ingest\n",
+        "server/app.py": "from seedfed.server.api import ingest\n",
         "server/api/__init__.py": "",
-        "server/api/ingest.py": "def f():\n    from ..app import x\n",
+        "server/api/ingest.py": "def f():\n    from seedfed.server.app import x\n",
     })
 
     # Act
@@ -64,3 +64,32 @@ def test_a_client_importing_the_server_is_found(tmp_path: Path) -> None:
 
     # Assert
     assert len(found) == 1 and "client must not import server" in found[0]
+
+
+def test_a_relative_import_is_found(tmp_path: Path) -> None:
+    # Arrange
+    root = _tree(tmp_path, {"client/device.py": "from .sync import x\n", "client/sync.py": ""})
+
+    # Act
+    found = _checker().problems(root)
+
+    # Assert
+    assert found == ["client/device.py:1: relative import (write `from seedfed... import`)"]
+
+
+def test_the_protocol_layer_importing_torch_or_the_model_layer_is_found(tmp_path: Path) -> None:
+    # Arrange: one lazy torch import, one import of the model layer
+    root = _tree(tmp_path, {
+        "shared/protocol/__init__.py": "", "shared/model/__init__.py": "",
+        "shared/model/stream.py": "",
+        "shared/protocol/wire.py": "def f():\n    import torch.nn\n",
+        "shared/protocol/task.py": "from seedfed.shared.model import stream\n",
+    })
+
+    # Act
+    found = _checker().problems(root)
+
+    # Assert
+    assert any("wire.py:2" in p and "must run without torch" in p for p in found)
+    assert any("protocol must not import model" in p for p in found)
+    assert len(found) == 2

@@ -129,5 +129,5 @@ def test_a_missing_or_incomplete_result_file_is_named(table: ModuleType, tmp_pat
     # Assert
     assert missing == 2 and "fuzz.json: missing" in err_missing
     assert incomplete == 2 and "ort_device.json" in err_incomplete
-    assert "benchmarks/ort_device.py" in err_incomplete
+    assert "seedfed bench ort_device" in err_incomplete
     assert len(err_incomplete.strip().splitlines()) == 1

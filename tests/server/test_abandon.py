@@ -29,15 +29,15 @@ from seedfed.server.orm import RoundRow, RoundState
 from seedfed.server.runtime import Runtime
 from seedfed.server.service import abandon as abandon_service
 from seedfed.server.service import rounds as rounds_service
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.errors import NonFiniteScalarError, ShapeError
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 from sqlalchemy import select, update
 
-from .conftest import make_settings
-from .test_api import ADMIN
+from tests.server.conftest import make_settings
+from tests.server.test_api import ADMIN
 
 Factory = Callable[[], Coordinator]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from seedfed.server.aggregation import combine, draw_seeds, round_rng, upload_digest
-from seedfed.shared.model.replay import update_coefficients
 from seedfed.shared.protocol.aggregate import AggregationConfig
+from seedfed.shared.protocol.npzo import update_coefficients
 from seedfed.shared.protocol.wire import MAX_SEED
 
 SECRET = "0123456789abcdef0123456789abcdef"

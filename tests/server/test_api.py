@@ -10,12 +10,12 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load as st_load
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload, pack_binary
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 
@@ -42,7 +42,7 @@ def g_for(plan: RoundPlan, seed: int) -> np.ndarray:
 
 def test_startup_freezes_the_long_lived_heap(api_settings: Settings) -> None:
     # Full collections over the imported libraries stalled uploads by 100-200 ms
-    # (benchmarks/ingest.py); the running app keeps them frozen, and gives them back on exit.
+    # (`seedfed bench ingest`); the running app keeps them frozen, and gives them back on exit.
     gc.unfreeze()
     with TestClient(create_app(api_settings)) as c:
         assert c.get("/healthz").status_code == 200
@@ -180,7 +180,7 @@ def test_stats_catchup_metrics_and_health(client: TestClient, spec: TaskSpec) ->
 def test_int8_task_publishes_through_the_quant_hook(client: TestClient, tiny_bert: Path) -> None:
     from seedfed.shared.model.quant.publish import publish_int8
 
-    from .conftest import tiny_spec
+    from tests.server.conftest import tiny_spec
 
     spec = tiny_spec(tiny_bert, format="int8", scope="named",
                      scope_options={"patterns": ("classifier",)})
@@ -195,7 +195,7 @@ def test_int8_task_publishes_through_the_quant_hook(client: TestClient, tiny_ber
 
 
 def test_fp16_task_publishes_an_fp16_snapshot(client: TestClient, tiny_bert: Path) -> None:
-    from .conftest import tiny_spec
+    from tests.server.conftest import tiny_spec
 
     task_id, _ = new_task(client, tiny_spec(tiny_bert, format="fp16"))
 

@@ -16,8 +16,8 @@ from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
-from .conftest import ServedTask, make_settings, tiny_spec
-from .test_api import ADMIN, bearer, enroll, g_for, new_task
+from tests.server.conftest import ServedTask, make_settings, tiny_spec
+from tests.server.test_api import ADMIN, bearer, enroll, g_for, new_task
 
 LIMIT = 8192
 

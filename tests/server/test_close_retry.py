@@ -18,7 +18,7 @@ from seedfed.server.service.uploads import PendingUpload, write_uploads
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 

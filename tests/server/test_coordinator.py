@@ -14,7 +14,7 @@ from seedfed.server.schemas import UploadReceipt
 from seedfed.shared.protocol.aggregate import AggregationConfig
 from seedfed.shared.protocol.wire import Upload
 
-from .conftest import tiny_spec
+from tests.server.conftest import tiny_spec
 
 
 def test_dp_task_reports_epsilon_over_the_rounds_run(coord: Coordinator,

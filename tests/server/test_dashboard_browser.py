@@ -18,7 +18,7 @@ from playwright.sync_api import expect
 from seedfed.server.dashboard import router
 from seedfed.server.schemas import RoundMetrics, TaskStats, TaskStatus
 
-from .dashboard_harness import Browser, Page, browser_fixture, open_dashboard, serve
+from tests.server.dashboard_harness import Browser, Page, browser_fixture, open_dashboard, serve
 
 __all__ = ["browser_fixture"]  # the `browser` fixture, used by name
 

@@ -19,12 +19,12 @@ from playwright.sync_api import expect
 from seedfed.client.trainer import LocalTrainer, classification_loss
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 
-from .conftest import tiny_spec
-from .dashboard_harness import Browser, Page, browser_fixture, open_dashboard, serve
+from tests.server.conftest import tiny_spec
+from tests.server.dashboard_harness import Browser, Page, browser_fixture, open_dashboard, serve
 
 __all__ = ["browser_fixture"]  # the `browser` fixture, used by name
 

@@ -12,7 +12,7 @@ from seedfed.server.service.log import device_summaries
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import Upload
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 
 def upload(coord: Coordinator, task_id: str, device_id: str, rng: np.random.Generator) -> None:

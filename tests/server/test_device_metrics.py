@@ -19,8 +19,8 @@ from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import DeviceMetrics, Upload
 from sqlalchemy import func, select
 
-from .conftest import make_settings
-from .test_api import ADMIN, bearer, enroll, new_task
+from tests.server.conftest import make_settings
+from tests.server.test_api import ADMIN, bearer, enroll, new_task
 
 
 def metrics(shared: float, personal: float | None = None, local: float | None = None, *,

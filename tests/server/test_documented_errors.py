@@ -19,8 +19,8 @@ from seedfed.server.app import create_app
 from seedfed.shared.protocol import errors as shared_errors
 from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 
-from .conftest import make_settings, tiny_spec
-from .test_api import ADMIN, bearer, enroll, new_task
+from tests.server.conftest import make_settings, tiny_spec
+from tests.server.test_api import ADMIN, bearer, enroll, new_task
 
 README = Path(__file__).resolve().parents[2] / "server" / "README.md"
 PROTOCOL = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"

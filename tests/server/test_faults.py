@@ -22,12 +22,12 @@ from seedfed.server import db as server_db
 from seedfed.server.app import create_app
 from seedfed.server.errors import StoreUnavailableError
 from seedfed.server.store import ModelStore
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload
 
-from .conftest import fresh_pg_database, make_settings
+from tests.server.conftest import fresh_pg_database, make_settings
 
 ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 

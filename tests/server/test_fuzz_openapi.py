@@ -1,4 +1,4 @@
-"""Schemathesis against a real coordinator process (CI-sized; `python benchmarks/fuzz.py
+"""Schemathesis against a real coordinator process (CI-sized; `seedfed bench fuzz
 --requests 30000` is the full run): no 5xx, no answer outside the OpenAPI document, no
 traceback in the server's log. The negative controls show the checks are live: a doctored
 document (a status left out, a field's type changed) makes the same fuzzing fail."""
@@ -8,23 +8,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.scripts_loader import load_script
+from seedfed.bench import fuzz
 
 REQUESTS = 600  # ~30 s of fuzzing on the 2-core CI machine
 LOG = "/v1/tasks/{task_id}/log"
-
-
-def _load_fuzz() -> ModuleType:
-    return load_script("benchmarks/fuzz.py", "seedfed_bench_fuzz")
-
-
-fuzz = _load_fuzz()
 
 
 @pytest.fixture(scope="module")

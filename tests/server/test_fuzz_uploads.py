@@ -23,9 +23,9 @@ from seedfed.server.runtime import Runtime
 from seedfed.shared.protocol.wire import MAGIC, RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
-from ..strategies import mutate_fields
-from .conftest import make_settings, tiny_spec
-from .test_api import ADMIN, bearer
+from tests.server.conftest import make_settings, tiny_spec
+from tests.server.test_api import ADMIN, bearer
+from tests.strategies import mutate_fields
 
 FUZZ = settings(max_examples=120, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow,

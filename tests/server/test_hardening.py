@@ -22,8 +22,7 @@ from seedfed.shared.protocol.wire import RoundPlan, pack_binary
 from sqlalchemy.exc import OperationalError
 
 from tests.live_coordinator import ADMIN_TOKEN, live_settings, serve
-
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 ADMIN = {"Authorization": "Bearer admin-" + "x" * 20}
 

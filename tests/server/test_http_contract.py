@@ -24,8 +24,8 @@ from seedfed.server.orm import DeviceRow, RoundRow, TaskRow, UploadRow, VersionR
 from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 from sqlalchemy import func, select
 
-from .conftest import ServedTask, _reset_pg, make_settings, tiny_spec
-from .test_api import ADMIN, bearer
+from tests.server.conftest import ServedTask, _reset_pg, make_settings, tiny_spec
+from tests.server.test_api import ADMIN, bearer
 
 BIG = 2**63  # the smallest integer neither SQLite nor PostgreSQL can bind
 

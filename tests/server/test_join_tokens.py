@@ -14,8 +14,8 @@ from seedfed.server.db import make_engine
 from seedfed.server.settings import Settings
 from seedfed.shared.protocol.task import TaskSpec
 
-from .conftest import make_settings
-from .test_api import ADMIN, enroll, new_task
+from tests.server.conftest import make_settings
+from tests.server.test_api import ADMIN, enroll, new_task
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from seedfed.shared.protocol.npzo import update_coefficients
 from seedfed.shared.protocol.task import Hyper
 from seedfed.shared.protocol.wire import Upload
 
-from .conftest import tiny_spec
+from tests.server.conftest import tiny_spec
 
 
 def test_each_plan_carries_its_rounds_lr_and_the_entry_uses_it(coord: Coordinator,

@@ -17,7 +17,7 @@ from seedfed.server.errors import InvalidTaskError
 from seedfed.server.privacy import DEFAULT_ORDERS, epsilon, gaussian_rdp
 from seedfed.shared.protocol.aggregate import AggregationConfig, aggregate, dp_noise_std
 
-from .conftest import tiny_spec
+from tests.server.conftest import tiny_spec
 
 SECRET = "0123456789abcdef" * 2
 

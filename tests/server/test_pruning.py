@@ -19,17 +19,17 @@ from seedfed.server.app import create_app
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.errors import NotFoundError, StoreError
 from seedfed.server.settings import Settings
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.model.ternary import TernaryScope, mask_config
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import Upload
 from typer.testing import CliRunner
 
-from .conftest import make_settings, tiny_spec
-from .test_api import ADMIN
-from .test_storage_contract import Crash, _crash, run_round
-from .test_ternary_task import (
+from tests.server.conftest import make_settings, tiny_spec
+from tests.server.test_api import ADMIN
+from tests.server.test_storage_contract import Crash, _crash, run_round
+from tests.server.test_ternary_task import (
     EPOCH_ROUNDS,
     MasterView,
     master_scope,

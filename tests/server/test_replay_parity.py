@@ -17,7 +17,7 @@ import torch
 from seedfed.client.sync import catch_up
 from seedfed.server.aggregation import apply_entry
 from seedfed.shared.model.quant import QuantConfig, build_quantized
-from seedfed.shared.model.replay import LogEntry, checksum
+from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.scopes import Scope, build_scope
 from seedfed.shared.model.ternary import (
     TernaryScope,
@@ -25,6 +25,7 @@ from seedfed.shared.model.ternary import (
     load_published_ternary,
     publish_ternary,
 )
+from seedfed.shared.protocol.npzo import LogEntry
 from torch import nn
 from transformers import LlamaConfig
 

@@ -20,7 +20,7 @@ from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 from sqlalchemy import event, select
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from seedfed.server.service.waiting import TaskMoment, waiting_of
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 
-from .conftest import make_settings
-from .test_api import ADMIN, bearer, enroll, new_task
+from tests.server.conftest import make_settings
+from tests.server.test_api import ADMIN, bearer, enroll, new_task
 
 
 @pytest.fixture

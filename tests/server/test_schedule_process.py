@@ -59,8 +59,9 @@ def test_three_rest_devices_reach_five_versions_without_an_operator(
     model, data = fleet_assets
     created = CliRunner().invoke(app, [
         "task", "create", "--url", url, "--model", str(model), "--label", "bad", "--label",
-        "good", "--steps", "2", "--perturbations", "2", "--batch-size", "8", "--lr", "0.001",
-        "--eps", "0.01", "--quorum", "2", "--rounds", str(ROUNDS), "--json"],
+        "good", "--set", "steps=2", "--set", "perturbations=2", "--set", "batch_size=8",
+        "--set", "lr=0.001", "--set", "eps=0.01", "--set", "quorum=2", "--rounds", str(ROUNDS),
+        "--json"],
         env={"SEEDFED_ADMIN_TOKEN": ADMIN})
     assert created.exit_code == 0, created.stderr
     task = json.loads(created.stdout)

@@ -23,13 +23,13 @@ from seedfed.server.errors import (
     StaleVersionError,
 )
 from seedfed.server.orm import Base, RoundRow, RoundState, UploadRow, VersionRow
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload
 from sqlalchemy import func, select
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 Factory = Callable[[], Coordinator]
 

@@ -1,9 +1,10 @@
 """A ternary (TerMeZO) task through the coordinator, with mask epochs every 2 versions.
 
 One federated run (module fixture): a tiny Llama converted to BitLinear, two in-process devices
-holding the packed form, 5 rounds on SQLite. Devices replay inside a mask epoch and load the
-published snapshot across an epoch start; the tests then check the coordinator's masks, the
-devices' checksums, the published snapshots, a restart, and a rebuild from version 0 + the log.
+(`client.device.Device`, the torch backend's packed model), 5 rounds on SQLite. Devices replay
+inside a mask epoch and load the published snapshot across an epoch start; the tests then
+check the coordinator's masks, the devices' checksums, the published snapshots, a restart, and a
+rebuild from version 0 + the log.
 """
 
 from __future__ import annotations
@@ -14,29 +15,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from seedfed.client.sync import SyncResult, catch_up_ternary, read_snapshot
-from seedfed.client.trainer import Batch, LocalTrainer, causal_lm_loss
+from seedfed.client.backends.base import SyncResult
+from seedfed.client.backends.torch import TorchBackend
+from seedfed.client.device import Device
+from seedfed.client.sync import read_snapshot
+from seedfed.client.ternary import PackedTernary
+from seedfed.client.trainer import Batch
 from seedfed.server import service
 from seedfed.server.aggregation import apply_entry
 from seedfed.server.coordinator import Coordinator
 from seedfed.server.settings import Settings
-from seedfed.shared.model.models import build_model
+from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.ternary import (
-    MaskConfig,
     TernaryScope,
     bitlinear_modules,
-    mask_config,
     ternarize,
     threshold_mask,
     unpack_ternary,
 )
 from seedfed.shared.protocol.task import Hyper, TaskSpec
 from seedfed.shared.protocol.wire import LogEntryWire, RoundPlan, Upload
-from torch import nn
 
-from ..fleet_helpers import LLAMA_VOCAB, write_tiny_llama
-from .conftest import make_settings
+from tests.fleet_helpers import LLAMA_VOCAB, write_tiny_llama
+from tests.server.conftest import make_settings
 
 VOCAB = LLAMA_VOCAB
 ROUNDS = 5
@@ -66,30 +68,29 @@ class MasterView:
 
 
 @dataclass
-class Device:
-    """A device holding the packed form: codes of every weight, latents of the mask only."""
+class PackedDevice:
+    """A device holding the packed form (codes of every weight, latents of the mask only):
+    the device core on the torch backend, synced the way every adapter syncs it."""
 
     device_id: str
-    model: nn.Module
+    core: Device
     seed: int
-    scope: TernaryScope | None = None
-    version: int | None = None
-    trainer: LocalTrainer | None = None
     syncs: list[tuple[int, SyncResult]] = field(default_factory=list)  # (from, result)
 
-    def sync(self, coord: Coordinator, task_id: str, config: MaskConfig) -> SyncResult:
-        status = coord.task_status(task_id)
-        entries = [] if self.version is None else [
-            e.to_entry() for e in coord.log_since(task_id, self.version)]
-        scope, result = catch_up_ternary(
-            self.model, self.scope, task_id=task_id, version=self.version,
-            target=status.version, config=config, entries=entries,
-            snapshot=lambda: (read_snapshot(coord.snapshot(task_id, status.version,
-                                                           "ternary")[0]), status.checksum))
-        if scope is not self.scope:
-            self.trainer = LocalTrainer(self.model, scope, causal_lm_loss)
-        self.syncs.append((-1 if self.version is None else self.version, result))
-        self.scope, self.version = scope, result.version
+    @property
+    def packed(self) -> PackedTernary:
+        assert isinstance(self.core.backend, TorchBackend)
+        assert self.core.backend.packed is not None
+        return self.core.backend.packed
+
+    def sync(self, coord: Coordinator, task_id: str) -> SyncResult:
+        status, frm = coord.task_status(task_id), self.core.version
+        entries = [] if frm is None else [e.to_entry() for e in coord.log_since(task_id, frm)]
+        result = self.core.sync(
+            status.version, entries=entries,
+            fetch=lambda: (coord.snapshot(task_id, status.version, "ternary")[0],
+                           status.checksum))
+        self.syncs.append((-1 if frm is None else frm, result))
         return result
 
     def batches(self, round_number: int) -> Iterator[Batch]:
@@ -106,34 +107,32 @@ class Run:
     plans: list[RoundPlan]
     entries: list[LogEntryWire]
     masters: list[MasterView]  # index = version
-    devices: list[Device]
+    devices: list[PackedDevice]
 
 
-def packed_device(spec: TaskSpec, device_id: str, seed: int) -> Device:
-    """The task's model built from its spec (Linear -> BitLinear), then packed, latents dropped:
+def packed_device(spec: TaskSpec, task_id: str, device_id: str, seed: int) -> PackedDevice:
+    """The task's packed model built from its spec (Linear -> BitLinear, no latents):
     everything trainable comes from the coordinator's snapshot."""
-    model = build_model(spec, initialize=False).model
-    for _, m in bitlinear_modules(model):
-        m.to_packed(keep_latents=False)
-    return Device(device_id, model, seed)
+    return PackedDevice(device_id, Device(spec, task_id), seed)
 
 
 def ternary_spec(root: Path) -> TaskSpec:
-    """The task: a tiny Llama (written under `root`) trained with the ternary scope."""
-    return TaskSpec(model_path=str(write_tiny_llama(root / "model")), model_kind="causal_lm",
+    """The task: a tiny Llama (written under `root`, with the tokenizer a device needs)
+    trained with the ternary scope."""
+    return TaskSpec(model_path=str(write_tiny_llama(root / "model", tokenizer=True)),
+                    model_kind="causal_lm",
                     scope="ternary", format="ternary", scope_options=dict(OPTIONS),
                     hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
 
 
-def play_round(coord: Coordinator, task_id: str, devices: list[Device], config: MaskConfig,
+def play_round(coord: Coordinator, task_id: str, devices: list[PackedDevice],
                ) -> tuple[RoundPlan, LogEntryWire]:
     """One round: open it, every device syncs (replay inside an epoch, the current snapshot
     across one), trains and uploads, then close it."""
     plan = coord.open_round(task_id)
     for d in devices:
-        d.sync(coord, task_id, config)
-        assert d.trainer is not None
-        res = d.trainer.run(plan, d.batches(plan.round))
+        d.sync(coord, task_id)
+        res = d.packed.trainer.run(plan, d.batches(plan.round))
         coord.submit(task_id, d.device_id,
                      Upload.build(plan, res.scalars, res.num_examples, res.loss))
     return plan, coord.close_round(task_id)
@@ -144,20 +143,20 @@ def run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> Run
     root = tmp_path_factory.mktemp("ternary-task")
     spec = ternary_spec(root)
     settings = make_settings(f"sqlite:///{root / 'coordinator.db'}", root / "store")
-    config = mask_config(spec.scope_options)
     plans, entries = [], []
     with Coordinator.open(settings) as coord:
         # a fixed secret: the same round seeds on every run, so the same masks
         task_id = coord.create_task(spec, quorum=2, secret=SECRET)
-        devices = [packed_device(spec, coord.enroll(task_id)[0], seed) for seed in (1, 2)]
+        devices = [packed_device(spec, task_id, coord.enroll(task_id)[0], seed)
+                   for seed in (1, 2)]
         masters = [MasterView.of(master_scope(coord, task_id))]
         for _ in range(ROUNDS):
-            plan, entry = play_round(coord, task_id, devices, config)
+            plan, entry = play_round(coord, task_id, devices)
             entries.append(entry)
             masters.append(MasterView.of(master_scope(coord, task_id)))
             plans.append(plan)
         for d in devices:
-            d.sync(coord, task_id, config)
+            d.sync(coord, task_id)
     return Run(settings, spec, task_id, plans, entries, masters, devices)
 
 
@@ -198,8 +197,10 @@ def test_devices_match_the_coordinator_after_every_version(run: Run) -> None:
             expected = "replay" if frm >= 0 and r.version % EPOCH_ROUNDS else "snapshot"
             assert r.method == expected, f"v{frm} -> v{r.version}"
             assert r.checksum == run.masters[r.version].checksum
-        assert d.scope is not None and checksum(d.scope) == run.masters[-1].checksum
-        assert all(m.weight is None for _, m in bitlinear_modules(d.model)), "stays packed"
+        scope = d.packed.scope
+        assert scope is not None and checksum(scope) == run.masters[-1].checksum
+        assert all(m.weight is None for _, m in bitlinear_modules(d.packed.model)), \
+            "stays packed"
 
 
 def test_plans_and_log_entries_carry_the_mask_epoch(run: Run) -> None:

@@ -15,8 +15,8 @@ from seedfed.server.settings import Settings
 from seedfed.shared.protocol.task import Hyper, TaskSpec
 from seedfed.shared.protocol.wire import RoundPlan, Upload, pack_binary
 
-from .conftest import make_settings, tiny_spec
-from .test_api import ADMIN, bearer, enroll, g_for, new_task
+from tests.server.conftest import make_settings, tiny_spec
+from tests.server.test_api import ADMIN, bearer, enroll, g_for, new_task
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from seedfed.server.service.uploads import PendingUpload, UploadWriter, check_up
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import Upload
 
-from .conftest import make_settings
+from tests.server.conftest import make_settings
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ language would be: pure Python (hashlib, struct, math, fractions, json), no nump
 seedfed import.
 
 It exists to prove the document is enough: `test_protocol_port.py` runs it on the inputs of
-`shared/protocol/golden/conformance.json` and compares every output. Where this file needs a rule the
-document does not state, the document is what must change. Slow by design (one Philox block per
+`shared/protocol/golden/conformance.json` and compares every output. Where this file needs a rule
+the document does not state, the document is what must change. Slow by design (one Philox block per
 256 elements, in Python); the vectors are small.
 """
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from seedfed.shared.model.conformance import committed_conformance
+from seedfed.shared.protocol.conformance import committed_conformance
 
-from . import protocol_port as port
+from tests.shared import protocol_port as port
 
 KIT = committed_conformance()
 

@@ -48,11 +48,11 @@ _UPLOAD_DOC: dict[str, Any] = {
             "application/json": {"schema": Upload.model_json_schema()},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary",
-                           "description": "seedfed.shared.protocol.wire.pack_binary(matrix): b'SFS1', "
-                                          "uint32 rows, uint32 cols, uint32 0, then rows*cols "
-                                          "float32 LE. Version, example count and loss go in "
-                                          "the X-Seedfed-Version, X-Seedfed-Num-Examples and "
-                                          "X-Seedfed-Loss headers."}},
+                           "description": "seedfed.shared.protocol.wire.pack_binary(matrix): "
+                                          "b'SFS1', uint32 rows, uint32 cols, uint32 0, then "
+                                          "rows*cols float32 LE. Version, example count and "
+                                          "loss go in the X-Seedfed-Version, "
+                                          "X-Seedfed-Num-Examples and X-Seedfed-Loss headers."}},
         },
     }
 }

@@ -66,8 +66,9 @@ def build_packed_model(model_path: str | Path, *, act_bits: int | None = 8,
     the model computes at construction.
 
     `model_kind="seq_cls"` builds a sentence-transformers directory's classifier the way
-    `shared.models.load_base` does (`MeanPoolClassifier`: encoder, mean pooling, head); its
-    float head stays empty too, until the snapshot (which always carries it) fills it.
+    `seedfed.shared.model.hf.load_base` does (`MeanPoolClassifier`: encoder, mean pooling,
+    head); its float head stays empty too, until the snapshot (which always carries it) fills
+    it.
     """
     import transformers
 
@@ -106,7 +107,8 @@ def _packed_classifier(path: Path, config: Any, *, act_bits: int | None,
                        skip: tuple[str, ...], num_labels: int) -> nn.Module:
     """`build_packed_model` of a sentence-transformers classifier (mean pooling + head)."""
     import transformers
-    from seedfed.shared.model.models import MeanPoolClassifier, sentence_pooling
+    from seedfed.shared.model.classifier import MeanPoolClassifier
+    from seedfed.shared.model.hf import sentence_pooling
 
     pooling = sentence_pooling(path)
     if pooling is None:

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from seedfed.shared.model.stream import MASK64, tensor_id
 from seedfed.shared.model.ternary.quantize import threshold_distance
+from seedfed.shared.protocol.philox import MASK64, tensor_id
 
 # MaskConfig lives with the scope options (no torch needed to validate a task definition).
 from seedfed.shared.protocol.scope_options import SELECTIONS as SELECTIONS

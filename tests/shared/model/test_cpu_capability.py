@@ -36,8 +36,9 @@ def probe() -> dict[str, Any]:
     """Everything the contract fixes bit for bit, hashed: runs inside each subprocess."""
     import torch
     from seedfed.shared.model import stream
-    from seedfed.shared.model.replay import LogEntry, checksum, replay, update_coefficients
+    from seedfed.shared.model.replay import checksum, replay
     from seedfed.shared.model.scopes import build_scope
+    from seedfed.shared.protocol.npzo import LogEntry, update_coefficients
     from seedfed.shared.protocol.vectors import compute_vectors
     from torch import nn
 

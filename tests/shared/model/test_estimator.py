@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
-from seedfed.shared.model.estimator import ZOConfig, projected_gradient, spsa_step
+from seedfed.shared.model.estimator import ZOConfig, spsa_step
 from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.protocol.errors import NonFiniteScalarError
+from seedfed.shared.protocol.npzo import projected_gradient
 
 
 def test_projected_gradient_two_point_one_sided_and_clip():

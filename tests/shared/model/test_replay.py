@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from seedfed.client.trainer import LocalTrainer, causal_lm_loss
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum, replay, update_coefficients
+from seedfed.shared.model.replay import apply_seeds, checksum, replay
 from seedfed.shared.model.scopes import Scope, ScopedTensor, build_scope
 from seedfed.shared.protocol.aggregate import build_entry
 from seedfed.shared.protocol.errors import (
@@ -14,6 +14,7 @@ from seedfed.shared.protocol.errors import (
     LogEntryMismatchError,
     NonFiniteScalarError,
 )
+from seedfed.shared.protocol.npzo import LogEntry, update_coefficients
 from seedfed.shared.protocol.wire import RoundPlan
 
 from tests.shared.conftest import tiny_llama

@@ -4,6 +4,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from seedfed.shared.model import stream, torch_philox
+from seedfed.shared.protocol import philox
 from seedfed.shared.protocol.vectors import check_kat, committed_vectors, compute_vectors
 
 from tests.shared.devices import DEVICES, bits, host_stream, torch_stream
@@ -11,8 +12,8 @@ from tests.shared.devices import DEVICES, bits, host_stream, torch_stream
 
 def _reference_z(seed: int, name: str, n: int) -> list[int]:
     """z from the pure-Python Philox and the contract's bit rule, independent of numpy."""
-    tid = stream.tensor_id(name)
-    blocks = [stream.philox4x64_10((j + 1, 0, 0, 0), (seed, tid)) for j in range(-(-n // 256))]
+    tid = philox.tensor_id(name)
+    blocks = [philox.philox4x64_10((j + 1, 0, 0, 0), (seed, tid)) for j in range(-(-n // 256))]
     words = [w for b in blocks for w in b]
     return [1 - 2 * ((words[i // 64] >> (i % 64)) & 1) for i in range(n)]
 
@@ -26,7 +27,7 @@ def test_tensor_id_is_sha256_prefix_little_endian():
     import hashlib
 
     digest = hashlib.sha256(b"weight").digest()
-    assert stream.tensor_id("weight") == int.from_bytes(digest[:8], "little")
+    assert philox.tensor_id("weight") == int.from_bytes(digest[:8], "little")
 
 
 def test_golden_vectors_match_committed_file():
@@ -39,17 +40,17 @@ def test_golden_vectors_match_pure_python_reference(case):
 
 
 def test_numpy_words_equal_reference_blocks():
-    tid = stream.tensor_id("x")
-    words = stream.stream_words(9, tid, 3, 2)
-    expected = [w for j in (3, 4) for w in stream.philox4x64_10((j + 1, 0, 0, 0), (9, tid))]
+    tid = philox.tensor_id("x")
+    words = philox.stream_words(9, tid, 3, 2)
+    expected = [w for j in (3, 4) for w in philox.philox4x64_10((j + 1, 0, 0, 0), (9, tid))]
     assert words.tolist() == expected
 
 
 def test_vectorized_philox_equals_reference_at_arbitrary_blocks():
-    tid = stream.tensor_id("y")
+    tid = philox.tensor_id("y")
     blocks = np.array([0, 7, 2**40, 3])
-    got = stream.stream_words_at(5, tid, blocks)
-    expected = [list(stream.philox4x64_10((int(b) + 1, 0, 0, 0), (5, tid))) for b in blocks]
+    got = philox.stream_words_at(5, tid, blocks)
+    expected = [list(philox.philox4x64_10((int(b) + 1, 0, 0, 0), (5, tid))) for b in blocks]
     assert got.tolist() == expected
 
 
@@ -74,14 +75,14 @@ def test_far_element_reachable_without_generating_prefix():
 
 
 def _reference_from_block(i: int, seed: int, name: str) -> int:
-    block = stream.philox4x64_10((i // 256 + 1, 0, 0, 0), (seed, stream.tensor_id(name)))
+    block = philox.philox4x64_10((i // 256 + 1, 0, 0, 0), (seed, philox.tensor_id(name)))
     word = block[(i % 256) // 64]
     return 1 - 2 * ((word >> (i % 64)) & 1)
 
 
 def test_add_seeds_equals_sequential_naive_loop_bitwise():
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(stream.CHUNK_ELEMENTS + 777, generator=gen)
+    x = torch.randn(philox.CHUNK_ELEMENTS + 777, generator=gen)
     seeds, coefs = [4, 5, 6], [1e-3, -2.5e-4, 7.1e-5]
     expected = x.clone()
     for s, c in zip(seeds, coefs, strict=True):
@@ -125,7 +126,7 @@ def test_rademacher_rows_equal_rows_of_the_whole_tensor(row_len):
 
 
 def test_perturbed_equals_clone_then_add_seeds_bitwise():
-    x = torch.randn(stream.CHUNK_ELEMENTS + 301, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(philox.CHUNK_ELEMENTS + 301, generator=torch.Generator().manual_seed(4))
     expected = x.clone()
     stream.add_seeds_(expected, "w", [12345], [3e-3])
     got = stream.perturbed(x, "w", 12345, 3e-3)
@@ -134,7 +135,7 @@ def test_perturbed_equals_clone_then_add_seeds_bitwise():
 
 
 def test_perturbed_pair_gives_the_bits_of_two_perturbed_calls():
-    x = torch.randn(3 * stream.CHUNK_ELEMENTS // 2 + 7, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3 * philox.CHUNK_ELEMENTS // 2 + 7, generator=torch.Generator().manual_seed(2))
 
     plus, minus = stream.perturbed_pair(x, "w", 9, 1e-3)
 

@@ -11,10 +11,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from seedfed.shared.model import stream
 from seedfed.shared.model import torch_philox as tp
-from seedfed.shared.model.conformance import committed_conformance, f32_value, replay_scope
+from seedfed.shared.model.conformance import replay_scope
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope, ScopedTensor
 from seedfed.shared.model.zkernel import KERNEL
+from seedfed.shared.protocol import philox
+from seedfed.shared.protocol.conformance import committed_conformance, f32_value
 from seedfed.shared.protocol.vectors import PHILOX_KAT, committed_vectors
 from torch import nn
 
@@ -47,7 +49,7 @@ def reference_words(seed: int, tid: int, first: int, n_blocks: int) -> list[int]
     out: list[int] = []
     for j in range(n_blocks):
         c = first + j + 1
-        out.extend(stream.philox4x64_10((c & MASK64, c >> 64 & 1, 0, 0), (seed, tid)))
+        out.extend(philox.philox4x64_10((c & MASK64, c >> 64 & 1, 0, 0), (seed, tid)))
     return out
 
 
@@ -87,7 +89,7 @@ def test_words_equal_numpy_and_the_pure_python_philox(device: str, seed: int, ti
     got = as_u64(tp.words(seed, tid, first, n_blocks, device))
 
     assert got == reference_words(seed, tid, first, n_blocks)
-    assert got == [int(w) for w in stream.stream_words(seed, tid, first, n_blocks)]
+    assert got == [int(w) for w in philox.stream_words(seed, tid, first, n_blocks)]
 
 
 @pytest.mark.skipif(KERNEL is None, reason="C stream kernel not built")
@@ -122,7 +124,7 @@ def test_many_seeds_in_one_evaluation_equal_one_seed_at_a_time(device: str, seed
 @pytest.mark.parametrize("device", DEVICES)
 def test_words_at_arbitrary_blocks_equal_the_pure_python_philox(device: str) -> None:
     blocks = [7, 0, 2**32 - 1, 2**32, 2**63 - 1, 2**63, MASK64 - 1, MASK64, 3]
-    tid = stream.tensor_id("w")
+    tid = philox.tensor_id("w")
     b = torch.tensor([tp.s64(v) for v in blocks], device=device)
 
     got = tp.words_at(MASK64, tid, b)
@@ -133,7 +135,7 @@ def test_words_at_arbitrary_blocks_equal_the_pure_python_philox(device: str) -> 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", committed_vectors(), ids=lambda c: f"{c['seed']}-{c['name'][:12]}")
 def test_golden_vectors(device: str, case: dict) -> None:
-    z = tp.signs(case["seed"], stream.tensor_id(case["name"]), len(case["z"]), device)
+    z = tp.signs(case["seed"], philox.tensor_id(case["name"]), len(case["z"]), device)
 
     assert z.device.type == device
     assert z.dtype == torch.float32

@@ -17,6 +17,7 @@ from seedfed.shared.model.quant import QuantConfig, quantize_model
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope, ScopedTensor, build_scope
 from seedfed.shared.model.zkernel import KERNEL, Kernel
+from seedfed.shared.protocol import philox
 
 from tests.shared.conftest import tiny_llama
 
@@ -120,7 +121,7 @@ def test_add_from_cached_words_equals_generating_them(n: int, seed: int, c: floa
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     x, c32 = values(n, 6), float(np.float32(c))
     words = stream.tensor_words(seed, "cached", n)
-    expected = seed_by_seed(x, stream.tensor_id("cached"), [seed], [c32])
+    expected = seed_by_seed(x, philox.tensor_id("cached"), [seed], [c32])
     out_kernel, out_numpy = torch.empty_like(x), torch.empty_like(x)
 
     stream.add_words(out_kernel, x, words, c32)
@@ -149,7 +150,7 @@ def test_indexed_equals_reference_per_seed(n: int, seeds: list[int], density: fl
         else:
             expected.index_add_(0, torch.from_numpy(idx), z)
 
-    kernel().add_indexed(x, idx, compact, stream.tensor_id("m"), seeds,
+    kernel().add_indexed(x, idx, compact, philox.tensor_id("m"), seeds,
                          np.asarray(coefs, dtype=np.float32))
 
     assert torch.equal(bits(x), bits(expected))
@@ -157,21 +158,21 @@ def test_indexed_equals_reference_per_seed(n: int, seeds: list[int], density: fl
 
 @pytest.mark.parametrize("blocks", [[0, 1, 2], [7, 3, 2**40], [2**64 - 2, 2**63]])
 def test_words_at_equal_the_pure_python_philox(blocks: list[int]) -> None:
-    tid = stream.tensor_id("w")
+    tid = philox.tensor_id("w")
 
     got = kernel().words_at(2**64 - 1, tid, np.array(blocks, dtype=np.uint64).view(np.int64))
 
-    assert got.tolist() == [list(stream.philox4x64_10((b + 1, 0, 0, 0), (2**64 - 1, tid)))
+    assert got.tolist() == [list(philox.philox4x64_10((b + 1, 0, 0, 0), (2**64 - 1, tid)))
                             for b in blocks]
 
 
 def test_words_of_a_run_equal_the_pure_python_philox() -> None:
-    tid = stream.tensor_id("w")
+    tid = philox.tensor_id("w")
 
     got = kernel().words(5, tid, 3, 4)
 
     assert got.tolist() == [w for b in range(3, 7)
-                            for w in stream.philox4x64_10((b + 1, 0, 0, 0), (5, tid))]
+                            for w in philox.philox4x64_10((b + 1, 0, 0, 0), (5, tid))]
 
 
 def test_out_of_range_index_is_refused_before_writing() -> None:

@@ -1,4 +1,5 @@
-"""The numpy replay path (shared/protocol/npzo.py, shared/protocol/philox.py) against the torch one, bit for bit."""
+"""The numpy replay path (shared/protocol/npzo.py, shared/protocol/philox.py) against the torch
+one, bit for bit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 def _model() -> nn.Module:
     torch.manual_seed(0)
     # one tensor longer than a chunk, so the chunked generators continue across chunks
-    return nn.Sequential(nn.Linear(3, stream.CHUNK_ELEMENTS // 3 + 100), nn.Linear(5, 7))
+    return nn.Sequential(nn.Linear(3, philox.CHUNK_ELEMENTS // 3 + 100), nn.Linear(5, 7))
 
 
 def test_numpy_replay_gives_the_torch_replays_bits_and_checksum() -> None:

@@ -1,6 +1,6 @@
-"""Every number of a task definition has a range (`seedfed.shared.protocol.ranges`): out-of-range values
-fail when the task is defined, naming the field and its range; the measured recipes sit inside
-every range; a stored spec still loads; and no accepted task can overflow a coefficient."""
+"""Every number of a task definition has a range (`seedfed.shared.protocol.ranges`): out-of-range
+values fail when the task is defined, naming the field and its range; the measured recipes sit
+inside every range; a stored spec still loads; and no accepted task can overflow a coefficient."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from seedfed.client import recipes
 from seedfed.shared.protocol import ranges as R
 from seedfed.shared.protocol.aggregate import AggregationConfig, build_entry
 from seedfed.shared.protocol.npzo import scaled_multiple
+from seedfed.shared.protocol.recipes import RECIPES, resolve_recipe
 from seedfed.shared.protocol.scope_options import ScalesOptions, TernaryOptions
 from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec
 from seedfed.shared.protocol.wire import MAX_ABS_SCALAR
@@ -109,13 +109,10 @@ def test_the_help_of_each_class_shows_the_ranges() -> None:
     assert "(an integer in 1..32768)" in TaskSpec.help()["max_seq_len"]
 
 
-@pytest.mark.parametrize("recipe", [
-    lambda: recipes.sst2_recipe("/m"), lambda: recipes.sst2_recipe("/m", scope="body"),
-    lambda: recipes.sst2_recipe("/m", fmt="int4"), lambda: recipes.preference_recipe("/m"),
-    lambda: recipes.tastes_recipe("/m"), lambda: recipes.ternary_recipe("/m"),
-    lambda: recipes.ternary_recipe("/m", sst2=False)])
-def test_every_measured_recipe_is_inside_every_range(recipe: Any) -> None:
-    spec = recipe().spec
+@pytest.mark.parametrize("recipe, fmt", [(r, None) for r in sorted(RECIPES)] + [
+    (r, "int4") for r in sorted(RECIPES) if RECIPES[r].task.get("format") != "ternary"])
+def test_every_measured_recipe_is_inside_every_range(recipe: str, fmt: str | None) -> None:
+    spec = resolve_recipe(recipe, {} if fmt is None else {"spec.format": fmt}, model="/m").spec
 
     again = TaskSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
 

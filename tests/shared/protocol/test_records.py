@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
-from seedfed.shared.model.replay import LogEntry
 from seedfed.shared.protocol.errors import WireFormatError
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.records import (
     METRICS,
     NUM_EXAMPLES,

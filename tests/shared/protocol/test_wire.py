@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from seedfed.shared.model.replay import LogEntry
 from seedfed.shared.protocol.errors import NonFiniteScalarError, WireFormatError
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.wire import (
     LogEntryWire,
     RoundPlan,

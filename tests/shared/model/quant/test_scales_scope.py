@@ -15,11 +15,12 @@ from seedfed.shared.model.quant import (
     quant_layers,
     save_quantized,
 )
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum, replay
+from seedfed.shared.model.replay import apply_seeds, checksum, replay
 from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.model.stream import rademacher
 from seedfed.shared.protocol.aggregate import build_entry
 from seedfed.shared.protocol.errors import ScopeError
+from seedfed.shared.protocol.npzo import LogEntry
 from seedfed.shared.protocol.wire import RoundPlan
 from torch import nn
 from transformers import LlamaConfig

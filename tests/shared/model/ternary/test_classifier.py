@@ -14,7 +14,8 @@ import pytest
 import torch
 from seedfed.client.data import tokenize
 from seedfed.client.sync import read_snapshot
-from seedfed.shared.model.models import MeanPoolClassifier, ModelBundle, build_model
+from seedfed.shared.model.classifier import MeanPoolClassifier
+from seedfed.shared.model.factory import ModelBundle, build_model
 from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.ternary import (
     TernaryFormatError,

@@ -21,7 +21,7 @@ from seedfed.shared.model.ternary import (
 )
 from seedfed.shared.protocol.errors import MissingTensorError
 
-from .conftest import tiny_llama
+from tests.shared.model.ternary.conftest import tiny_llama
 
 OPTIONS = {"fraction": 0.05, "epoch_rounds": 2}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from seedfed.shared.model.estimator import ZOConfig, spsa_step
 from seedfed.shared.model.perturb import Perturber
-from seedfed.shared.model.replay import LogEntry, apply_seeds, checksum, replay
+from seedfed.shared.model.replay import apply_seeds, checksum, replay
 from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.model.ternary import (
     MaskConfig,
@@ -24,8 +24,9 @@ from seedfed.shared.model.ternary import (
 )
 from seedfed.shared.model.ternary.snapshot import layer_tensors
 from seedfed.shared.protocol.errors import ScopeError
+from seedfed.shared.protocol.npzo import LogEntry
 
-from .conftest import tiny_llama
+from tests.shared.model.ternary.conftest import tiny_llama
 
 
 def _coordinator(fraction: float = 0.05, selection: str = "threshold") -> TernaryScope:

@@ -25,7 +25,7 @@ from seedfed.shared.model.ternary import (
 from seedfed.shared.model.ternary.io import read_tensors
 from seedfed.shared.protocol.errors import ChecksumMismatchError
 
-from .conftest import tiny_bitnet, tiny_llama
+from tests.shared.model.ternary.conftest import tiny_bitnet, tiny_llama
 
 
 @pytest.fixture
