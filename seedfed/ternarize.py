@@ -194,18 +194,26 @@ def _fit(model: nn.Module, loss_fn: Callable[[dict[str, torch.Tensor]], torch.Te
                 on_step(step, total, float(loss.detach()))
 
 
+def _distilled(teacher: nn.Module, act_bits: int | None, init_seed: int,
+               loss: Callable[[nn.Module, nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+               tokenizer: Any, texts: Sequence[str], **fit: Any) -> nn.Module:
+    """The BitLinear student of `teacher` (torch seeded with `init_seed` first), trained by
+    `_fit` (`fit`: its keyword arguments) on `loss(student, teacher, batch)`, returned frozen."""
+    torch.manual_seed(init_seed)
+    teacher = _frozen(teacher)
+    student = _student(teacher, act_bits)
+    _fit(student, lambda batch: loss(student, teacher, batch), tokenizer, texts, **fit)
+    return _frozen(student)
+
 def distill(teacher: nn.Module, tokenizer: Any, texts: Sequence[str], config: TernarizeConfig,
             on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
     """The BitLinear student of `teacher` (an encoder returning `last_hidden_state`), trained
     to reproduce its token states and mean-pooled embeddings on `texts`."""
-    torch.manual_seed(config.seed)
-    teacher = _frozen(teacher)
-    student = _student(teacher, config.act_bits)
-    _fit(student, lambda batch: _distill_loss(student, teacher, batch, config.token_weight),
-         tokenizer, texts, epochs=config.epochs, batch_size=config.batch_size,
-         max_len=config.max_len, lr=config.lr, weight_decay=config.weight_decay,
-         seed=config.seed, lm=False, on_step=on_step)
-    return _frozen(student)
+    return _distilled(teacher, config.act_bits, config.seed,
+                      lambda s, t, batch: _distill_loss(s, t, batch, config.token_weight),
+                      tokenizer, texts, epochs=config.epochs, batch_size=config.batch_size,
+                      max_len=config.max_len, lr=config.lr, weight_decay=config.weight_decay,
+                      seed=config.seed, lm=False, on_step=on_step)
 
 
 # -- scoring ------------------------------------------------------------------------------
@@ -521,14 +529,12 @@ def distill_causal(teacher: nn.Module, tokenizer: Any, texts: Sequence[str],
                    on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
     """The BitLinear student of a causal LM (every Linear but `lm_head`), distilled from its
     next-token distributions on `texts`."""
-    torch.manual_seed(config.seed)
-    teacher = _frozen(teacher)
-    student = _student(teacher, config.act_bits)
-    _fit(student, lambda batch: _kd_loss(student, teacher, batch, config.hard_weight),
-         tokenizer, texts, epochs=config.distill_epochs, batch_size=config.batch_size,
-         max_len=config.max_len, lr=config.distill_lr, weight_decay=config.weight_decay,
-         seed=config.seed + 1, lm=True, on_step=on_step)
-    return _frozen(student)
+    return _distilled(teacher, config.act_bits, config.seed,
+                      lambda s, t, batch: _kd_loss(s, t, batch, config.hard_weight),
+                      tokenizer, texts, epochs=config.distill_epochs,
+                      batch_size=config.batch_size, max_len=config.max_len,
+                      lr=config.distill_lr, weight_decay=config.weight_decay,
+                      seed=config.seed + 1, lm=True, on_step=on_step)
 
 
 @torch.no_grad()

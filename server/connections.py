@@ -78,8 +78,9 @@ def trust(scope: Scope) -> None:
         conn.trust()
 
 
-class _Guards:
-    """Mixin over a uvicorn HTTP protocol: the three guards of the module docstring."""
+class _Guards(asyncio.Protocol):
+    """Mixin over a uvicorn HTTP protocol (listed before it, so `super()` reaches the
+    protocol): the three guards of the module docstring."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -94,18 +95,20 @@ class _Guards:
     flow: Any
 
     # -- connection life -------------------------------------------------------------------
-    def _guard_opened(self) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         self._arm_header_deadline()
         if self.anonymous is not None:
             self.anonymous.opened(self)
 
-    def _guard_closed(self) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
         if self.anonymous is not None:
             self.anonymous.left(self)
+        super().connection_lost(exc)
 
     def trust(self) -> None:
         if not self._trusted:
@@ -180,10 +183,6 @@ class _Guards:
 class H11Guarded(_Guards, H11Protocol):
     """uvicorn's h11 protocol with the guards."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._guard_opened()
-
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # headers parsed: the body clock takes over
@@ -201,13 +200,6 @@ class H11Guarded(_Guards, H11Protocol):
         super().on_response_complete()
         self._body_progress()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._guard_closed()
-        super().connection_lost(exc)
-
-
-#: The h11 protocol under its former name (its tests and uvicorn command lines use it).
-H11HeaderDeadline = H11Guarded
 
 
 def _httptools_class() -> type[asyncio.Protocol] | None:
@@ -217,10 +209,6 @@ def _httptools_class() -> type[asyncio.Protocol] | None:
         return None
 
     class HttpToolsGuarded(_Guards, HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._guard_opened()
-
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._body_progress()
@@ -237,10 +225,6 @@ def _httptools_class() -> type[asyncio.Protocol] | None:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._body_progress()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._guard_closed()
-            super().connection_lost(exc)
 
     return HttpToolsGuarded
 

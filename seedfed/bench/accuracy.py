@@ -28,7 +28,6 @@ and prints a table with model calls, example-forwards and wall time beside each 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.device_data import DeviceData, dataset_splits, load_device_examples
 from seedfed.client.evaluate import accuracy
@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
               "methods": {c.method: asdict(c) for c in curves},
               "repeats": {m: {"accuracy": a, "mean": float(np.mean(a)), "sd": float(np.std(a))}
                           for m, a in repeats.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
+    write_json(args.out, result, newline=False, default=str)
     plot(curves, args.out.with_suffix(".png"))
     print(table(curves, repeats))
     return 0

@@ -21,7 +21,6 @@ variants alike; medians reported:
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.server.aggregation import combine
 from seedfed.server.store import ModelStore
 from seedfed.shared.model import stream
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     result["meets_target_fused"] = result["agg_vs_regen"] <= 0.5
     result["stream_kernel"] = stream.KERNEL is not None
     result["meets_target_cpu"] = result["agg_vs_regen_cpu"] <= 1.2
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result, newline=False)
     print(f"scope: {scope.numel / 1e6:.1f}M parameters, {args.seeds} seeds, "
           f"median of {args.repeats}")
     print(f"{'measure':<16}{'wall s':>10}{'x regen':>10}{'cpu s':>10}{'x regen':>10}")

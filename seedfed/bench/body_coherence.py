@@ -41,7 +41,6 @@ Hessian that the loss's curvature along random directions sees):
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -54,6 +53,7 @@ from torch.nn import functional as F
 
 from seedfed.bench.body_sweep import Split, forward, load_cache, scope_names
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 
 ROUND_BATCH = 320  # 20 devices x 16 sentences
 DEVICE_BATCH = 16
@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(cache, "head", None, args.sample, args.draws, "version0")]
     rows += [measure(cache, s, head, args.sample, args.draws, "trained") for s in args.scopes]
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_json(args.json, rows)
     return 0
 
 

@@ -35,7 +35,7 @@ How it stays fast (and the same math as `fed_zo`):
 
 from __future__ import annotations
 
-import json
+import itertools
 import math
 import os
 import sys
@@ -51,6 +51,7 @@ from torch.nn import functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.bench.sweep_data import FedConfig, carve  # noqa: E402
 from seedfed.client.data import tokenize  # noqa: E402
 from seedfed.shared.model.factory import build_model  # noqa: E402
@@ -749,52 +750,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "check":
         print(f"max |functional layer 4 - encoder| = {check_layers(cache):.2e}")
     elif args.what == "fo":
-        for scope in args.scopes:
-            for lr in args.lr:
-                rows.append(fo_ceiling(cache, scope, lr, args.epochs, args.fo_batch, 0, split))
-                r = rows[-1]
-                print(f"FO {scope:10s} lr {lr:g} numel {r['numel']:8d} start {r['start_layer']} "
-                      f"acc0 {r['acc0']:.4f} best {r['best']:.4f} final {r['final']:.4f} "
-                      f"{r['seconds']:.0f} s", flush=True)
+        for scope, lr in itertools.product(args.scopes, args.lr):
+            r = fo_ceiling(cache, scope, lr, args.epochs, args.fo_batch, 0, split)
+            rows.append(r)
+            print(f"FO {scope:10s} lr {lr:g} numel {r['numel']:8d} start {r['start_layer']} "
+                  f"acc0 {r['acc0']:.4f} best {r['best']:.4f} final {r['final']:.4f} "
+                  f"{r['seconds']:.0f} s", flush=True)
     elif args.what == "fohead":
-        for lr in args.lr:
-            for beta in args.momentum:
-                rows.append(fo_head(cache, lr, args.c_bias, beta, args.rounds, args.batch, 0,
-                                    split, args.eval_every))
-                r = rows[-1]
-                print(f"FO head lr {lr:g} c_bias {args.c_bias:g} m {beta:g}: "
-                      f"{[round(a, 3) for _, a in r['curve']]} (features: |mean| "
-                      f"{r['mean_norm']:.2f}, top eigenvalues "
-                      f"{[round(e, 3) for e in r['eig_top']]}, "
-                      f"median {r['eig_median']:.4f})", flush=True)
+        for lr, beta in itertools.product(args.lr, args.momentum):
+            r = fo_head(cache, lr, args.c_bias, beta, args.rounds, args.batch, 0, split,
+                        args.eval_every)
+            rows.append(r)
+            print(f"FO head lr {lr:g} c_bias {args.c_bias:g} m {beta:g}: "
+                  f"{[round(a, 3) for _, a in r['curve']]} (features: |mean| "
+                  f"{r['mean_norm']:.2f}, top eigenvalues {[round(e, 3) for e in r['eig_top']]}, "
+                  f"median {r['eig_median']:.4f})", flush=True)
     elif args.what == "zo":
         head = torch.load(args.head_init) if args.head_init else None
-        for lr in args.lr:
-            for eps in args.eps:
-                for c, beta in [(c, b) for c in args.c_body for b in args.momentum]:
-                    run = ZoRun(args.scope, lr, eps, args.perturbations, args.rounds,
-                                args.batch, c, 1.0, args.rank, args.per_round,
-                                args.eval_every, args.blocks, beta, args.window, args.c_bias,
-                                args.lr_final)
-                    res = [zo_run(cache, run, s, split, head, args.save_head)
-                           for s in range(args.first_seed, args.first_seed + args.seeds)]
-                    accs = [r["final"] for r in res]
-                    rows.append({"run": run.__dict__, "finals": accs,
-                                 "curves": [r["curve"] for r in res],
-                                 "train_loss": [r["train_loss"] for r in res],
-                                 "seconds": [r["seconds"] for r in res],
-                                 "numel": res[0]["numel"]})
-                    each = " ".join(f"{a:.3f}" for a in accs)
-                    print(f"ZO {args.scope} lr {lr:g} eps {eps:g} c {c:g} m {beta:g} "
-                          f"P {run.perturbations} "
-                          f"R {run.rounds} mean {np.mean(accs):.4f} ({each}) "
-                          f"curve {[round(a, 3) for _, a in res[0]['curve']]} "
-                          f"{np.mean([r['seconds'] for r in res]):.0f} s/run", flush=True)
+        for lr, eps, c, beta in itertools.product(args.lr, args.eps, args.c_body, args.momentum):
+            run = ZoRun(args.scope, lr, eps, args.perturbations, args.rounds, args.batch, c, 1.0,
+                        args.rank, args.per_round, args.eval_every, args.blocks, beta,
+                        args.window, args.c_bias, args.lr_final)
+            res = [zo_run(cache, run, s, split, head, args.save_head)
+                   for s in range(args.first_seed, args.first_seed + args.seeds)]
+            accs = [r["final"] for r in res]
+            rows.append({"run": run.__dict__, "finals": accs, "curves": [r["curve"] for r in res],
+                         "train_loss": [r["train_loss"] for r in res],
+                         "seconds": [r["seconds"] for r in res], "numel": res[0]["numel"]})
+            each = " ".join(f"{a:.3f}" for a in accs)
+            print(f"ZO {args.scope} lr {lr:g} eps {eps:g} c {c:g} m {beta:g} "
+                  f"P {run.perturbations} R {run.rounds} mean {np.mean(accs):.4f} ({each}) "
+                  f"curve {[round(a, 3) for _, a in res[0]['curve']]} "
+                  f"{np.mean([r['seconds'] for r in res]):.0f} s/run", flush=True)
     elif args.what == "cost":
         rows = probe_cost(cache, args.scopes, 50)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2, default=str))
+        write_json(args.json, rows, newline=False, default=str)
     return 0
 
 

@@ -55,7 +55,6 @@ within 3 points of the rule's clean run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -68,6 +67,7 @@ import numpy as np
 import torch
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 from seedfed.shared.protocol.aggregate import AggregationConfig, aggregate, round_weights
 from seedfed.shared.protocol.recipes import HEAD_STEP_SCALES, SST2_HYPER
 from seedfed.shared.protocol.task import Hyper
@@ -479,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for a in args.attacks for fr in args.fractions}
                        for r in rules},
     })
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result, indent=1, newline=False)
     print(table(result, args.attacks, args.fractions))
     print(f"clip bound {clip:.3g} (3 x median honest |g| = {scale:.3g}); "
           f"{result['wall_s']:.0f} s; JSON {args.json}")

@@ -20,7 +20,6 @@ link (100 kB/s) to a LAN (100 MB/s). Replay is cheaper below k*.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.client.backends.torch import calibrate_replay_rate
 from seedfed.client.catchup import crossover_versions
 from seedfed.client.sync import catch_up, load_state, state_bytes
@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(n, s, args.entries, args.repeats) for n, s in scopes.items()]
     print(table(rows))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"seeds_per_entry": SEEDS_PER_ENTRY, "rows": rows},
-                                        indent=1))
+        write_json(args.json, {"seeds_per_entry": SEEDS_PER_ENTRY, "rows": rows}, indent=1,
+                   newline=False)
     return 0
 
 

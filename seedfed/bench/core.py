@@ -11,12 +11,14 @@ samples) and a table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 from seedfed.bench.core_setup import shape_named
 from seedfed.bench.registry import bench_parser, positive_int
+from seedfed.bench.report import write_json
 
 MEMORY_KINDS = ("inference", "zo_virtual", "zo_copy", "sgd", "adamw")
 MEMORY_PARALLEL = 2
@@ -160,6 +163,41 @@ def run_core(config: CoreBenchConfig, progress: Any = None) -> dict[str, Any]:
     return result
 
 
+#: The table's rows: measure, value key and unit, ratio key (None: the reference row, its text
+#: as given) and its format. Times are stored in seconds and shown in ms.
+_ROWS: tuple[tuple[str, str | None, str, str | None, str], ...] = (
+    ("inference peak", "inference_peak_mb", "MB",
+     None, "1.00 x inference"),
+    ("ZO step peak (virtual)", "zo_step_peak_mb", "MB",
+     "zo_vs_inference_mem", "{:.3f} x"),
+    ("ZO step peak (copy)", "zo_step_copy_peak_mb", "MB",
+     "zo_copy_vs_inference_mem", "{:.3f} x"),
+    ("SGD step peak", "sgd_peak_mb", "MB",
+     "sgd_vs_inference_mem", "{:.2f} x"),
+    ("AdamW step peak", "adamw_peak_mb", "MB",
+     "adamw_vs_inference_mem", "{:.2f} x"),
+    ("forward pass", "forward_s", "ms",
+     None, "1.00 x forward"),
+    ("ZO step (virtual)", "zo_step_s", "ms",
+     "zo_step_vs_forward", "{:.2f} x"),
+    ("ZO step (copy)", "zo_step_copy_s", "ms",
+     "zo_step_copy_vs_forward", "{:.2f} x"),
+    ("replay (seed stream)", "replay_mparam_s", "Mparam/s",
+     "replay_vs_mezo", "{:.1f} x MeZO"),
+    ("", None, "",
+     "replay_vs_axpy", "{:.2f} x axpy"),
+    ("replay, 16 seeds fused", "replay_fused_mparam_s", "Mparam/s",
+     "replay_fused_vs_axpy", "{:.2f} x axpy"),
+    ("same, numpy path", "replay_numpy_fused_mparam_s", "Mparam/s",
+     None, ""),
+    ("MeZO regeneration", "mezo_replay_mparam_s", "Mparam/s",
+     None, ""),
+    ("fp32 axpy", "axpy_mparam_s", "Mparam/s",
+     None, ""),
+)
+_SCALE = {"MB": 1.0, "ms": 1e3, "Mparam/s": 1.0}
+
+
 def render(result: dict[str, Any]) -> Any:
     """A rich table of the figures, ratios and target verdicts."""
     from rich.table import Table
@@ -171,71 +209,59 @@ def render(result: dict[str, Any]) -> Any:
                          ("target", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     targets = result["targets"]
-
-    def verdict(key: str) -> str:
-        t = targets.get(key)
-        if t is None:
-            return ""
-        return f"{t['limit']} {'[green]met[/]' if t['met'] else '[red]MISSED[/]'}"
-
-    rows = [
-        ("inference peak", f"{result['inference_peak_mb']:.0f} MB", "1.00 x inference", ""),
-        ("ZO step peak (virtual)", f"{result['zo_step_peak_mb']:.0f} MB",
-         f"{result['zo_vs_inference_mem']:.3f} x", verdict("zo_vs_inference_mem")),
-        ("ZO step peak (copy)", f"{result['zo_step_copy_peak_mb']:.0f} MB",
-         f"{result['zo_copy_vs_inference_mem']:.3f} x", ""),
-        ("SGD step peak", f"{result['sgd_peak_mb']:.0f} MB",
-         f"{result['sgd_vs_inference_mem']:.2f} x", ""),
-        ("AdamW step peak", f"{result['adamw_peak_mb']:.0f} MB",
-         f"{result['adamw_vs_inference_mem']:.2f} x", ""),
-        ("forward pass", f"{result['forward_s'] * 1e3:.0f} ms", "1.00 x forward", ""),
-        ("ZO step (virtual)", f"{result['zo_step_s'] * 1e3:.0f} ms",
-         f"{result['zo_step_vs_forward']:.2f} x", verdict("zo_step_vs_forward")),
-        ("ZO step (copy)", f"{result['zo_step_copy_s'] * 1e3:.0f} ms",
-         f"{result['zo_step_copy_vs_forward']:.2f} x", ""),
-        ("replay (seed stream)", f"{result['replay_mparam_s']:.0f} Mparam/s",
-         f"{result['replay_vs_mezo']:.1f} x MeZO", verdict("replay_vs_mezo")),
-        ("", "", f"{result['replay_vs_axpy']:.2f} x axpy", verdict("replay_vs_axpy")),
-        ("replay, 16 seeds fused", f"{result['replay_fused_mparam_s']:.0f} Mparam/s",
-         f"{result['replay_fused_vs_axpy']:.2f} x axpy", verdict("replay_fused_vs_axpy")),
-        ("same, numpy path", f"{result['replay_numpy_fused_mparam_s']:.0f} Mparam/s", "", ""),
-        ("MeZO regeneration", f"{result['mezo_replay_mparam_s']:.0f} Mparam/s", "", ""),
-        ("fp32 axpy", f"{result['axpy_mparam_s']:.0f} Mparam/s", "", ""),
-    ]
-    for row in rows:
-        table.add_row(*row)
+    for measure, key, unit, ratio_key, ratio in _ROWS:
+        value = "" if key is None else f"{result[key] * _SCALE[unit]:.0f} {unit}"
+        verdict = ""
+        if ratio_key is not None:
+            ratio = ratio.format(result[ratio_key])
+            t = targets.get(ratio_key)
+            if t is not None:
+                verdict = f"{t['limit']} {'[green]met[/]' if t['met'] else '[red]MISSED[/]'}"
+        table.add_row(measure, value, ratio, verdict)
     return table
 
 
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run, print the table, write JSON; exit status 1 on a missed target only with --strict
-    (the figures depend on the machine and its load)."""
-    parser = bench_parser("core")
-    parser.add_argument("--quick", action="store_true", help="small Llama, under a minute")
+def measured_parser(name: str, quick_help: str, threads_help: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark with targets (core, probes): --quick, --json, --repeats,
+    --threads and --strict; the benchmark adds its own options."""
+    parser = bench_parser(name)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timing repeats (median)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads per worker (default: torch's own choice)")
+    parser.add_argument("--threads", type=positive_int, default=None, help=threads_help)
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    args = parser.parse_args(argv)
-    config = CoreBenchConfig.preset(args.quick, args.repeats, args.threads)
+    return parser
+
+
+def run_measured(label: str, args: argparse.Namespace,
+                 run: Callable[[Callable[[str], None]], dict[str, Any]],
+                 tables: Callable[[dict[str, Any]], list[Any]]) -> int:
+    """`run(progress)` under a status line, its `tables` printed, its JSON written to --json;
+    exit status 1 on a missed target only with --strict (the figures depend on the machine
+    and its load)."""
     from rich.console import Console
 
     console = Console()
-    with console.status("core benchmark") as status:
-        result = run_core(config, progress=lambda msg: status.update(f"core benchmark: {msg}"))
-    console.print(render(result))
+    with console.status(label) as status:
+        result = run(lambda msg: status.update(f"{label}: {msg}"))
+    for table in tables(result):
+        console.print(table)
     if args.json is not None:
-        write_json(result, args.json)
+        write_json(args.json, result, sort_keys=True)
         console.print(f"wrote {args.json}")
     missed = sum(not t["met"] for t in result["targets"].values())
     return 1 if args.strict and missed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print the table, write JSON (`run_measured`)."""
+    args = measured_parser("core", "small Llama, under a minute",
+                           "torch threads per worker (default: torch's own choice)"
+                           ).parse_args(argv)
+    config = CoreBenchConfig.preset(args.quick, args.repeats, args.threads)
+    return run_measured("core benchmark", args, lambda progress: run_core(config, progress),
+                        lambda result: [render(result)])
 
 
 if __name__ == "__main__":

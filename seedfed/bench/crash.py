@@ -45,6 +45,7 @@ import numpy as np
 from seedfed.bench import coordinator_process
 from seedfed.bench.coordinator_process import tiny_model
 from seedfed.bench.registry import RESULTS, bench_parser, positive_int
+from seedfed.bench.report import text_table, write_json
 
 ADMIN = "crash-admin-token-" + "x" * 16
 
@@ -360,6 +361,13 @@ def campaign(backend: str, *, kills: int, devices: int, quorum: int, lanes: int,
             **result}
 
 
+#: The printed table: (header, row key, format spec).
+TABLE = (("backend", "backend", "<10"), ("kills", "kills", ">6"),
+         ("in close", "kills_inside_a_close", ">9"), ("receipts", "receipts", ">9"),
+         ("lost", "lost", ">5"), ("dups", "duplicate_rows", ">5"), ("versions", "versions", ">9"),
+         ("replay ok", "replayed_ok", ">10"), ("reagg ok", "reaggregated_ok", ">9"),
+         ("ok", "ok", ">4"))
+
 def run_campaigns(*, backends: list[str], kills: int, devices: int = 48, quorum: int = 8,
                   lanes: int = 12, seeds: int = 16, at_close: float = 0.5,
                   json_path: Path | None = None, seed: int = 0,
@@ -372,17 +380,13 @@ def run_campaigns(*, backends: list[str], kills: int, devices: int = 48, quorum:
                          budget_s=budget_s)
                 for b in backends]
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"cpus": os.cpu_count(),
-                                         "load_avg_1m": os.getloadavg()[0],
-                                         "target": "0 uploads lost over >= 100 SIGKILLs per "
-                                                   "backend", "results": rows}, indent=2))
-    print(f"{'backend':<10}{'kills':>6}{'in close':>9}{'receipts':>9}{'lost':>5}{'dups':>5}"
-          f"{'versions':>9}{'replay ok':>10}{'reagg ok':>9}{'ok':>4}")
-    for r in rows:
-        print(f"{r['backend']:<10}{r['kills']:>6}{r['kills_inside_a_close']:>9}"
-              f"{r['receipts']:>9}{r['lost']:>5}{r['duplicate_rows']:>5}{r['versions']:>9}"
-              f"{r['replayed_ok']:>10}{r['reaggregated_ok']:>9}{'yes' if r['ok'] else 'NO':>4}")
+        write_json(json_path, {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                               "target": "0 uploads lost over >= 100 SIGKILLs per backend",
+                               "results": rows}, newline=False)
+    header, *lines = text_table(TABLE, [{**r, "ok": "yes" if r["ok"] else "NO"} for r in rows])
+    print(header)
+    for r, line in zip(rows, lines, strict=True):
+        print(line)
         for p in r["problems"]:
             print(f"   ! {p}")
     return rows

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.features import AUTO, store_root
 
 FLEETS = (100, 1_000, 10_000)
@@ -146,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": rows, "summary": summary}
     print(json.dumps(summary, indent=1))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result, indent=1)
     return 0
 
 

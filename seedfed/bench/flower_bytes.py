@@ -13,7 +13,6 @@ Target: upload per device per round <= 4 bytes per scalar + 256 bytes.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.client.flower_app import reply_content
 from seedfed.server.flower_strategy import message_bytes, payload_bytes
 from seedfed.shared.model.factory import build_model
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
               + " ".join(f"{r['ratio_' + n]:>16.2e}" for n in sizes))
     print("FedAvg upload per device: " + ", ".join(f"{n} {4 * v:,} B" for n, v in sizes.items()))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"scope_numel": sizes, "rows": rows}, indent=2))
+        write_json(args.json, {"scope_numel": sizes, "rows": rows}, newline=False)
     return 0
 
 

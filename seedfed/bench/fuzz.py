@@ -32,6 +32,7 @@ from typing import Any
 
 from seedfed.bench.coordinator_process import coordinator, database, tiny_model
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 
 ADMIN = "fuzz-admin-token-" + "x" * 16
 # Operations only the admin may call; the others take a device token (or the admin's).
@@ -282,11 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
     result = run(db=args.db, requests=args.requests, seed=args.seed, progress=True)
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        write_json(args.json, result)
     clean = not (result["server_errors"] or result["violations"] or result["server_tracebacks"])
     return 0 if clean else 1
 

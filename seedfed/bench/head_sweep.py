@@ -16,7 +16,6 @@ with `seedfed.bench.accuracy`. Scores the validation split only.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 from seedfed.bench.sweep_data import FedConfig, _embed, carve
 from seedfed.client.data import Examples
 from seedfed.shared.model.factory import build_model
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{lr:5.2f} {p:4d} {rounds:6d} {b:3d} {sch:>8} {k:3d} {wts:>7} "
                   f"{np.mean(accs):9.4f} {np.std(accs):6.4f} {central:8.4f}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows, newline=False)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -33,6 +32,7 @@ import numpy as np
 
 from seedfed.bench.coordinator_process import coordinator, database, enroll_fleet, tiny_model
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import text_table, write_json
 
 ADMIN = "bench-admin-token-" + "x" * 16
 
@@ -225,6 +225,13 @@ def bench(backend: str, rate: float, args: argparse.Namespace, model: Path) -> d
     }
 
 
+#: The printed table: (header, row key, format spec).
+TABLE = (("backend", "backend", "<10"), ("mode", "mode", "<20"), ("uploads", "uploads", ">8"),
+         ("errors", "errors", ">7"), ("stored", "stored", ">7"),
+         ("up/s", "uploads_per_s", ">9.0f"), ("p50 ms", "p50_ms", ">9.1f"),
+         ("p99 ms", "p99_ms", ">9.1f"), ("max ms", "max_ms", ">9.1f"),
+         ("srv cpu ms/up", "server_cpu_ms_per_upload", ">15.3f"))
+
 def main(argv: list[str] | None = None) -> int:
     ap = bench_parser("ingest")
     ap.add_argument("--db", nargs="+", default=["sqlite", "postgres"],
@@ -246,16 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "model")
         rows = [bench(b, rate, args, model) for b in args.db for rate in args.rate]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-                                     "target": ">= 1000 uploads/s, p99 < 100 ms (SQLite)",
-                                     "results": rows}, indent=2))
-    print(f"{'backend':<10}{'mode':<20}{'uploads':>8}{'errors':>7}{'stored':>7}{'up/s':>9}"
-          f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'srv cpu ms/up':>15}")
-    for r in rows:
-        print(f"{r['backend']:<10}{r['mode']:<20}{r['uploads']:>8}{r['errors']:>7}{r['stored']:>7}"
-              f"{r['uploads_per_s']:>9.0f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
-              f"{r['max_ms']:>9.1f}{r['server_cpu_ms_per_upload']:>15.3f}")
+    write_json(args.json, {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                           "target": ">= 1000 uploads/s, p99 < 100 ms (SQLite)",
+                           "results": rows}, newline=False)
+    print("\n".join(text_table(TABLE, rows)))
     print(f"(load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     return 0
 

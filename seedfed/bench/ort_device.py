@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 
 #: The source checkout this module runs from (an editable install): its pyproject.toml lists
 #: the extras whose install sizes are measured, and `--venvs` pip-installs it.
@@ -250,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.venvs:
         result["clean_venvs"] = clean_venv_sizes()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(Path(args.out), result, indent=1)
     print(f"{'':8}{'ms/scalar':>10}{'1st round ms':>14}{'peak RSS MB':>13}{'install MB':>12}")
     for b in ("torch", "ort"):
         r = runs[b]

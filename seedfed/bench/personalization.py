@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 from seedfed.shared.protocol import recipes
 from seedfed.simulate.config import SimulationConfig
 from seedfed.simulate.driver import run
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(args.out.read_text())
         if args.memory:
             results["memory"] = device_memory()
-            args.out.write_text(json.dumps(results, indent=2))
+            write_json(args.out, results, newline=False)
         render(results, args.out)
         return 0
     methods = [m for m in args.methods.split(",") if m]
@@ -218,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             if task == "tastes":
                 results["memory"] = device_memory()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results, newline=False)
     render(results, args.out)
     return 0
 

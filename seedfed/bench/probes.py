@@ -19,16 +19,13 @@ beside them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from seedfed.bench.core import run_worker
-from seedfed.bench.registry import bench_parser, positive_int
+from seedfed.bench.core import measured_parser, run_measured, run_worker
 
 MINILM_CASES = ("head", "lora_top", "lora_all", "int8_scales_top")
 LLAMA_CASE = "lora_r8"
@@ -161,38 +158,21 @@ def p_list(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run, print the tables, write JSON; exit status 1 on a missed target only with --strict
-    (the figures depend on the machine and its load)."""
-    parser = bench_parser("probes")
-    parser.add_argument("--quick", action="store_true", help="tiny models from config, P 1,2,4")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--repeats", type=positive_int, default=None,
-                        help="timing repeats (median)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads per worker")
+    """Run, print the tables, write JSON (`run_measured`)."""
+    parser = measured_parser("probes", "tiny models from config, P 1,2,4",
+                             "torch threads per worker")
     parser.add_argument("--p", type=p_list, default=None,
                         help="perturbation counts (default 1,2,4,8,16,32)")
     parser.add_argument("--llama-p", type=p_list, default=None,
                         help="perturbation counts for the Llama case (default: --p)")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                         help="MiniLM depth sweep at P 8")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
-    from rich.console import Console
-
-    console = Console()
-    with console.status("probe benchmark") as status:
-        result = run_probes(args.quick, args.repeats, args.threads, args.p, args.llama_p,
-                            args.sweep,
-                            progress=lambda msg: status.update(f"probe benchmark: {msg}"))
-    for table in render(result):
-        console.print(table)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        console.print(f"wrote {args.json}")
-    missed = sum(not t["met"] for t in result["targets"].values())
-    return 1 if args.strict and missed else 0
+    return run_measured(
+        "probe benchmark", args,
+        lambda progress: run_probes(args.quick, args.repeats, args.threads, args.p,
+                                    args.llama_p, args.sweep, progress=progress),
+        render)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 
 MODELS: dict[str, dict[str, Any]] = {
     # TinyLlama-1.1B shape: 1.10e9 parameters, untied head.
@@ -280,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  fp32 AdamW (not run) >= {est['step_peak_mib_lower_bound']:.0f} MiB: "
                   f"{est['how']}")
     out = args.out or RESULTS / ("quant_memory_quick.json" if args.quick else "quant_memory.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report, newline=False)
     print(f"\nwrote {out}")
     return 0
 

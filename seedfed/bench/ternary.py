@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from seedfed.bench.registry import RESULTS, bench_parser
+from seedfed.bench.report import write_json
 from seedfed.shared.model.estimator import ZOConfig, spsa_step  # noqa: E402
 from seedfed.shared.model.perturb import Perturber  # noqa: E402
 from seedfed.shared.model.scopes import build_scope  # noqa: E402
@@ -456,7 +457,6 @@ def main(argv: list[str] | None = None) -> int:
                                           Path(kw["directory"]))))
         return 0
     out = args.out or RESULTS / ("ternary_quick.json" if args.quick else "ternary.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if args.part != "all" and out.exists():  # one part at a time: keep the other's results
         report = json.loads(out.read_text())
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def save_point(memory: dict[str, Any]) -> None:  # a long run keeps what it measured
             report["memory"] = memory
-            out.write_text(json.dumps(report, indent=2))
+            write_json(out, report, newline=False)
 
         report["memory"] = run_memory("llama-tiny" if args.quick else "llama-1b",
                                       fractions[:1] if args.quick else fractions, args.timeout,
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_curves(report["curves"], out.with_suffix(".png"))
         report["curves"]["plot"] = str(out.with_suffix(".png"))
         torch.set_num_threads(threads)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report, newline=False)
     print_tables(report)
     print(f"\nwrote {out}")
     return 0

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 
 #: Scope options every variant sets (over the ternary recipe's), so a variant is only itself.
 PLAIN: dict[str, Any] = {"train_head": False, "alternate": False, "head_lr": None,
@@ -322,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                               "memory": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def save() -> None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(a.json, result)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -23,17 +23,17 @@ those pooled (token-weighted), and on the device file's test split, which no dev
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from seedfed.bench.registry import bench_parser
+from seedfed.bench.report import write_json
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "threshold": {"selection": "threshold"},
@@ -41,23 +41,38 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _option(default: Any, help: str) -> Any:
+    """A budget field and its `--option` help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class LMBudget:
-    rounds: int = 50
-    devices: int = 4
-    per_round: int = 2
-    steps: int = 1
-    perturbations: int = 4
-    batch_size: int = 8
+    """One run's budget; each field is also a command-line option (`--per-round`, ...)."""
+
+    rounds: int = _option(50, "federated rounds")
+    devices: int = _option(4, "devices in the fleet")
+    per_round: int = _option(2, "devices sampled per round")
+    steps: int = _option(1, "ZO steps per device per round")
+    perturbations: int = _option(4, "perturbations per step")
+    batch_size: int = _option(8, "sentences per batch")
     # lr and eps: the best of lr 1e-3..1 x eps 1e-3 / 5e-3 (and fraction 0.01 / 0.05 / 0.001)
     # on the validation split, seed 0, 10 rounds (docs/ternary.md section 5)
-    lr: float = 0.3
-    eps: float = 5e-3
-    fraction: float = 0.01
-    epoch_rounds: int = 5
-    label_skew: float = 0.9
-    device_sentences: int = 4000  # unseen training sentences written for the fleet
-    eval_size: int = 400  # test-split sentences scored (no device sees them)
+    lr: float = _option(0.3, "ZO learning rate")
+    eps: float = _option(5e-3, "ZO perturbation size")
+    fraction: float = _option(0.01, "share of latents in the mask")
+    epoch_rounds: int = _option(5, "rounds per mask epoch")
+    label_skew: float = _option(0.9, "share of a device's sentences of its own label")
+    device_sentences: int = _option(4000, "unseen training sentences written for the fleet")
+    eval_size: int = _option(400, "test-split sentences scored (no device sees them)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "label_skew" and not value > 0:
+                raise ValueError(f"{f.name} must be > 0, got {value}")
+        if not 0.0 <= self.label_skew <= 1.0:
+            raise ValueError(f"label_skew must lie in [0, 1], got {self.label_skew}")
 
 
 @dataclass
@@ -225,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--split", choices=("test", "validation"), default="test",
                     help="the device file's split scored as 'test' (validation: for tuning)")
-    for f in LMBudget.__dataclass_fields__.values():
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    for f in fields(LMBudget):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                        help=f.metadata["help"])
     a = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    b = LMBudget(**{k: getattr(a, k) for k in LMBudget.__dataclass_fields__})
+    b = LMBudget(**{f.name: getattr(a, f.name) for f in fields(LMBudget)})
     from seedfed.ternarize import read_meta
 
     meta = read_meta(a.base)
@@ -244,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[LMRun] = []
 
     def save() -> None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(a.json, result)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

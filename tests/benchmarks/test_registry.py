@@ -14,8 +14,9 @@ import pytest
 from seedfed.bench import registry
 
 BENCH_DIR = Path(registry.__file__).parent
-#: Modules of seedfed/bench that are not benchmarks: workers, shared setup, the registry.
-HELPERS = {"__init__", "registry", "coordinator_process", "core_setup", "core_worker",
+#: Modules of seedfed/bench that are not benchmarks: workers, shared setup, the registry,
+#: the reporting helpers.
+HELPERS = {"__init__", "registry", "report", "coordinator_process", "core_setup", "core_worker",
            "probes_worker", "sweep_data"}
 
 

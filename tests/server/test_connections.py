@@ -16,7 +16,6 @@ import uvicorn
 from seedfed.server.connections import (
     AnonymousConnections,
     H11Guarded,
-    H11HeaderDeadline,
     http_protocol,
     trust,
 )
@@ -255,6 +254,3 @@ def test_a_request_answered_before_its_body_ended_is_closed_after_the_answer() -
             assert time.monotonic() - started < 0.4
             c.close()
 
-
-def test_the_h11_class_keeps_its_former_name() -> None:
-    assert H11HeaderDeadline is H11Guarded
