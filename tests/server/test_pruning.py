@@ -21,7 +21,7 @@ from seedfed.server.errors import NotFoundError, StoreError
 from seedfed.server.settings import Settings
 from seedfed.shared.model.factory import build_model
 from seedfed.shared.model.replay import checksum, replay
-from seedfed.shared.model.ternary import TernaryScope, mask_config
+from seedfed.shared.model.ternary import TernaryScope
 from seedfed.shared.protocol.task import TaskSpec
 from seedfed.shared.protocol.wire import Upload
 from typer.testing import CliRunner
@@ -240,17 +240,15 @@ def ternary(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None,
     root = tmp_path_factory.mktemp("ternary-pruned")
     spec = ternary_spec(root)
     settings = make_settings(f"sqlite:///{root / 'c.db'}", root / "store", keep_versions=2)
-    config = mask_config(spec.scope_options)
     with Coordinator.open(settings) as coord:
         task_id = coord.create_task(spec, quorum=2)
-        devices = [packed_device(spec, coord.enroll(task_id)[0], seed) for seed in (1, 2)]
+        devices = [packed_device(spec, task_id, coord.enroll(task_id)[0], seed)
+                   for seed in (1, 2)]
         masters = [MasterView.of(master_scope(coord, task_id))]
         for _ in range(ROUNDS):
-            play_round(coord, task_id, devices, config)
+            play_round(coord, task_id, devices)
             masters.append(MasterView.of(master_scope(coord, task_id)))
-        for d in devices:
-            d.sync(coord, task_id, config)
-        finals = [checksum(d.scope) for d in devices if d.scope is not None]
+        finals = [d.sync(coord, task_id).checksum for d in devices]
     yield settings, spec, task_id, masters, finals
 
 
