@@ -387,7 +387,7 @@ def _fused_linear(module: nn.Linear, entries: list[tuple[nn.Module, str, ScopedT
         t = owned.get(attr)
         if t is None:  # not scoped: the same tensor in every copy
             return p.detach().expand(len(group), *p.shape)
-        return _stacked_copies(t, group)
+        return stacked_copies(t, group)
 
     weight, bias = stacked("weight"), stacked("bias")
     assert weight is not None
@@ -418,7 +418,7 @@ def _perturbed(t: ScopedTensor, seed: int, scale: float, pending: Pending) -> to
     return plus
 
 
-def _stacked_copies(t: ScopedTensor, group: list[Probe]) -> torch.Tensor:
+def stacked_copies(t: ScopedTensor, group: list[Probe]) -> torch.Tensor:
     """torch.stack of `_perturbed(t, seed, scale)` (theta for a None probe) over the group,
     for a whole tensor (`_fusable`), the pairs of every seed made in one `perturbed_pairs`
     call. A seed's copy at -eps is the minus of its +eps pair, bit for bit what `_perturbed`

@@ -176,8 +176,13 @@ def _fleet_steps(r: dict[str, Results]) -> str:
     rates = ", ".join(f"{scope} **{rows[scope]['device_steps_per_s']:.1f}**"
                       for scope in ("head", "lora", "full") if scope in rows)
     exact = all(x["bit_exact_vs_plain_device"] for x in rows.values())
+    batched = rows.get("head", {}).get("batched")
+    together = ("" if batched is None else
+                f"; the head with every device's probes in one batched matmul "
+                f"**{batched['device_steps_per_s']:.1f}** ({batched['speedup']:.1f} x, replay "
+                f"{'bit-exact' if batched['replay_bit_exact'] else 'NOT bit-exact'})")
     return (f"device-steps per second on the {d['torch_device']} ({d['threads']} thread, "
-            f"{d['devices']} devices sharing one model): {rates}; "
+            f"{d['devices']} devices sharing one model): {rates}{together}; "
             f"{'every device bit-exact with a lone device' if exact else 'NOT bit-exact'}")
 
 
@@ -263,7 +268,7 @@ ROWS: tuple[Row, ...] = (
     Row("virtual devices sharing one process and torch device (MiniLM-L6; head P=512, LoRA "
         "P=32, full P=8)",
         ("fleet_steps",),
-        ("seedfed bench fleet_steps --device cpu --threads 1",),
+        ("seedfed bench fleet_steps --device cpu --threads 1 --batch-devices",),
         _fleet_steps),
     Row("coordinator upload ingestion (20 scalars an upload)",
         ("ingest",),

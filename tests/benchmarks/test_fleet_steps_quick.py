@@ -1,7 +1,7 @@
 """Smoke test of `seedfed bench fleet_steps --quick`: it runs end to end and writes its JSON
-(every scope, the figures, the machine), and a fleet's device-steps replay to the checksums a
-plain Device gets from the same seeds. No timing assertions: the figures depend on the
-machine and its load."""
+(every scope, the figures, the machine; the head scope's devices also stepped together), and a
+fleet's device-steps replay to the checksums a plain Device gets from the same seeds. No
+timing assertions: the figures depend on the machine and its load."""
 
 from __future__ import annotations
 
@@ -18,7 +18,15 @@ from seedfed.client.backends.base import BackendConfig
 from seedfed.client.device import Device
 
 from seedfed.bench.coordinator_process import tiny_model
-from seedfed.bench.fleet_steps import SCOPES, TASK, Fleet, plan_for, scope_spec
+from seedfed.bench.fleet_steps import (
+    SCOPES,
+    TASK,
+    BatchedHeadFleet,
+    Fleet,
+    plan_for,
+    scope_spec,
+    verify_batched,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,7 +42,7 @@ def quick_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     code = "from seedfed.cli import app; app()"
     proc = subprocess.run(
         [sys.executable, "-c", code, "bench", "fleet_steps", "--quick", "--device", "cpu",
-         "--threads", "1", "--json", str(out)],
+         "--threads", "1", "--batch-devices", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "device-steps/s" in proc.stdout  # the figures were printed
@@ -51,6 +59,16 @@ def test_quick_fleet_bench_reports_every_scope_with_positive_rates(quick_result:
         assert math.isfinite(r["device_steps_per_s"]) and r["device_steps_per_s"] > 0
         assert r["probes_per_forward"] >= 1 and r["P"] >= 1 and r["trainable_params"] > 0
         assert r["bit_exact_vs_plain_device"] is True
+
+
+def test_quick_fleet_bench_reports_the_batched_head_beside_the_loop(quick_result: dict) -> None:
+    assert quick_result["cross_device_batching"] is True
+    rows = {r["scope"]: r for r in quick_result["results"]}
+    batched = rows["head"]["batched"]
+    assert math.isfinite(batched["device_steps_per_s"]) and batched["device_steps_per_s"] > 0
+    assert batched["speedup"] > 0
+    assert batched["scalars_close"] is True and batched["replay_bit_exact"] is True
+    assert "batched" not in rows["lora"] and "batched" not in rows["full"]
 
 
 def test_fleet_device_steps_replay_to_a_plain_devices_checksums(tmp_path: Path) -> None:
@@ -75,3 +93,24 @@ def test_fleet_device_steps_replay_to_a_plain_devices_checksums(tmp_path: Path) 
     # Assert: each device moved its own state, and the plain devices ended on it
     assert finals == [t.checksums[-1] for t in fleet.tracks]
     assert finals[0] != finals[1] != fleet.checksum0
+
+
+def test_batched_head_devices_replay_to_a_plain_devices_checksums(tmp_path: Path) -> None:
+    # Arrange: a head fleet of 2 virtual devices stepped together, 2 rounds
+    spec = scope_spec("head", str(tiny_model(tmp_path / "model")), 4)
+    fleet = Fleet(spec, 2, torch_device="cpu", data="builtin",
+                  features_dir=tmp_path / "features")
+    batched = BatchedHeadFleet(fleet)
+    for r in range(2):
+        batched.round(r)
+
+    # Act: a plain Device follows device 0's and device 1's uploads
+    checks = [verify_batched(batched, i) for i in range(2)]
+
+    # Assert: scalars to tolerance, every replay on the batched checksums; devices apart
+    assert all(close and exact for _, close, exact in checks)
+    finals = [t.checksums[-1] for t in batched.tracks]
+    assert finals[0] != finals[1] != fleet.checksum0
+    # a checksum the replay cannot reach is reported, not passed
+    batched.tracks[0].checksums[0] = fleet.checksum0
+    assert verify_batched(batched, 0)[2] is False
