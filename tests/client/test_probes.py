@@ -28,7 +28,7 @@ from seedfed.shared.protocol.task import LoraOptions
 from torch import nn
 from transformers import BertConfig, BertModel
 
-from tests.shared.conftest import tiny_llama
+from tests.shared.conftest import lora_llama, tiny_llama
 from tests.shared.devices import DEVICES, host_stream, torch_stream
 
 SEEDS = [11, 12, 13, 14]
@@ -40,17 +40,6 @@ G_TOL = 2e-3
 def _lm_batch(seed: int = 7, rows: int = 3, length: int = 10) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _lora_llama(targets: tuple[str, ...]) -> tuple[nn.Module, Scope]:
-    model = apply_lora(tiny_llama(), LoraOptions(r=4, target_modules=targets), "causal_lm")
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.requires_grad_(False)
-            if "lora_" in name:  # peft drew A from the global RNG; nonzero B makes A matter
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model, build_scope("lora", model)
 
 
 def _sequential(scope: Scope, model: nn.Module, batch: dict, config: ZOConfig,
@@ -75,7 +64,7 @@ def _engine(scope: Scope, engine: ProbeEngine, batch: dict, config: ZOConfig) ->
 @pytest.mark.parametrize("targets", [("layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"),
                                      ("q_proj", "v_proj"), ("layers.1.mlp.down_proj",)])
 def test_shared_prefix_gives_the_sequential_scalars_bit_for_bit(targets) -> None:  # noqa: ANN001
-    model, scope = _lora_llama(targets)
+    model, scope = lora_llama(targets)
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     engine = ProbeEngine(model, scope, causal_lm_loss)
 
@@ -89,7 +78,7 @@ def test_shared_prefix_gives_the_sequential_scalars_bit_for_bit(targets) -> None
 @pytest.mark.parametrize("targets", [("layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"),
                                      ("q_proj", "v_proj")])
 def test_batched_copies_give_the_sequential_scalars(targets, one_sided) -> None:  # noqa: ANN001
-    model, scope = _lora_llama(targets)
+    model, scope = lora_llama(targets)
     batch = _lm_batch()
     config = ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS), one_sided=one_sided)
     engine = ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses)
@@ -104,7 +93,7 @@ def test_batched_copies_give_the_sequential_scalars(targets, one_sided) -> None:
 
 def test_linear_copies_run_as_one_batched_matmul_with_the_per_copy_scalars(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     fused = []
     real = probes._fused_linear
@@ -121,7 +110,7 @@ def test_linear_copies_run_as_one_batched_matmul_with_the_per_copy_scalars(
 
 
 def test_engine_step_updates_theta_with_the_replay_arithmetic() -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     start = scope.read()
     engine_step(ProbeEngine(model, scope, causal_lm_loss), batch, SEEDS, config)
@@ -131,7 +120,7 @@ def test_engine_step_updates_theta_with_the_replay_arithmetic() -> None:
     with torch.no_grad():
         spsa_step(scope, lambda: float(causal_lm_loss(model, batch)), SEEDS, config)
 
-    assert checksum(scope) == after_engine != checksum(_lora_llama(("q_proj", "v_proj"))[1])
+    assert checksum(scope) == after_engine != checksum(lora_llama(("q_proj", "v_proj"))[1])
 
 
 def test_full_scope_with_tied_embeddings_batches_per_copy() -> None:
@@ -254,7 +243,7 @@ def test_feature_cache_and_engine_agree_with_the_uncached_model() -> None:
 
 
 def test_a_small_budget_lowers_copies_per_forward_and_says_so(caplog) -> None:  # noqa: ANN001
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     full = _engine(scope, ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses), batch,
                    config)
@@ -309,7 +298,7 @@ def test_a_scope_inside_the_encoder_is_never_shared_through_the_embedding() -> N
 
 def test_out_of_memory_halves_copies_per_forward_with_the_same_scalars(caplog) -> None:  # noqa: ANN001
     # Arrange: a device whose allocator fails above 2 stacked copies
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     rows = batch["input_ids"].shape[0]
 
@@ -339,7 +328,7 @@ def test_out_of_memory_halves_copies_per_forward_with_the_same_scalars(caplog) -
 
 
 def test_an_error_that_is_not_memory_still_propagates() -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
 
     def broken(model, stacked, copies):  # noqa: ANN001, ANN202
@@ -352,7 +341,7 @@ def test_an_error_that_is_not_memory_still_propagates() -> None:
 
 
 def test_max_copies_groups_the_probes() -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     batch, config = _lm_batch(), ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))
     engine = ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses, max_copies=3)
 
@@ -363,7 +352,7 @@ def test_max_copies_groups_the_probes() -> None:
 
 
 def test_probes_leave_theta_untouched() -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     before = checksum(scope)
     engine = ProbeEngine(model, scope, causal_lm_loss, causal_lm_losses)
 
@@ -382,7 +371,7 @@ def test_repeat_batch_is_copy_major() -> None:
 
 
 def test_budget_and_copies_are_validated() -> None:
-    model, scope = _lora_llama(("q_proj",))
+    model, scope = lora_llama(("q_proj",))
     with pytest.raises(ValueError, match="max_copies"):
         ProbeEngine(model, scope, causal_lm_loss, max_copies=0)
     with pytest.raises(ValueError, match="budget"):
@@ -436,8 +425,8 @@ def test_a_tensor_written_in_place_still_counts_as_perturbed() -> None:
 def test_torch_path_engine_step_gives_the_kernel_paths_bits(device, targets) -> None:  # noqa: ANN001
     # Arrange: batched copies (fused LoRA matmuls fed by `perturbed_pairs`, per-copy swaps
     # fed by `perturbed_pair`) on the kernel path on the host and the torch path on `device`
-    host, h_scope = _lora_llama(targets)
-    moved, d_scope = _lora_llama(targets)
+    host, h_scope = lora_llama(targets)
+    moved, d_scope = lora_llama(targets)
     moved.to(device)
     batch = _lm_batch()
     config = ZOConfig(lr=1e-2, eps=1e-3, perturbations=len(SEEDS))

@@ -8,7 +8,7 @@ from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.protocol.wire import RoundPlan
 from transformers import BertConfig, BertForSequenceClassification
 
-from tests.shared.conftest import tiny_llama
+from tests.shared.conftest import lora_llama, tiny_llama
 
 
 def _plan(steps: int = 3, p: int = 2) -> RoundPlan:
@@ -58,23 +58,8 @@ def test_classification_loss_on_sequence_classifier():
     assert result.num_examples == 8 and np.all(np.isfinite(result.scalars))
 
 
-def _lora_llama_scope():  # noqa: ANN202
-    from seedfed.shared.model.lora import apply_lora
-    from seedfed.shared.protocol.task import LoraOptions
-
-    model = apply_lora(tiny_llama(), LoraOptions(r=2, target_modules=("q_proj", "v_proj")),
-                       "causal_lm")
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.requires_grad_(False)
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model, build_scope("lora", model)
-
-
 def test_default_trainer_batches_probes_with_the_sequential_scalars():
-    model, scope = _lora_llama_scope()
+    model, scope = lora_llama(("q_proj", "v_proj"), r=2, seed=4)
     before = checksum(scope)
     plan = _plan(steps=2, p=4)
 
@@ -90,7 +75,7 @@ def test_default_trainer_batches_probes_with_the_sequential_scalars():
 
 
 def test_trainer_refuses_unknown_probe_modes_and_batching_without_a_copy_loss():
-    model, scope = _lora_llama_scope()
+    model, scope = lora_llama(("q_proj", "v_proj"), r=2, seed=4)
     with pytest.raises(ValueError, match="probes must be"):
         LocalTrainer(model, scope, causal_lm_loss, probes="fast")
     with pytest.raises(ValueError, match="copy_losses"):

@@ -29,6 +29,25 @@ def tiny_llama(seed: int = 0, tie: bool = True, **config: Any) -> LlamaForCausal
     return random_weights(LlamaForCausalLM(cfg), seed)
 
 
+def lora_llama(targets: tuple[str, ...], r: int = 4,
+               seed: int = 5) -> tuple[nn.Module, Any]:
+    """`tiny_llama()` with LoRA on `targets` (every base weight frozen) and its lora scope;
+    the adapters drawn from an explicit generator (peft drew A from the global RNG; a nonzero
+    B makes A matter)."""
+    from seedfed.shared.model.lora import apply_lora
+    from seedfed.shared.model.scopes import build_scope
+    from seedfed.shared.protocol.task import LoraOptions
+
+    model = apply_lora(tiny_llama(), LoraOptions(r=r, target_modules=targets), "causal_lm")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.requires_grad_(False)
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, build_scope("lora", model)
+
+
 @pytest.fixture
 def llama() -> LlamaForCausalLM:
     return tiny_llama()

@@ -6,29 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from seedfed.shared.model.lora import apply_lora
 from seedfed.shared.model.probe_check import (
     ForwardRecorder,
     ProbeMemoryError,
     check_task_probes,
 )
-from seedfed.shared.model.scopes import Scope, build_scope
+from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.protocol.errors import ScopeError
-from seedfed.shared.protocol.task import LoraOptions
 from torch import nn
 
-from tests.shared.conftest import tiny_llama
-
-
-def _lora_llama(targets: tuple[str, ...]) -> tuple[nn.Module, Scope]:
-    model = apply_lora(tiny_llama(), LoraOptions(r=4, target_modules=targets), "causal_lm")
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.requires_grad_(False)
-            if "lora_" in name:  # peft drew A from the global RNG; nonzero B makes A matter
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model, build_scope("lora", model)
+from tests.shared.conftest import lora_llama, tiny_llama
 
 
 def test_a_scope_the_loss_never_reads_is_refused() -> None:
@@ -41,7 +28,7 @@ def test_a_scope_the_loss_never_reads_is_refused() -> None:
 
 
 def test_task_check_refuses_copies_beyond_the_memory_budget() -> None:
-    model, scope = _lora_llama(("q_proj", "v_proj"))
+    model, scope = lora_llama(("q_proj", "v_proj"))
     est = check_task_probes(model, scope, batch_size=4, seq_len=32, copies=1, budget_mb=0)
 
     assert est.reaches_loss and est.per_copy_bytes > 0
@@ -52,7 +39,7 @@ def test_task_check_refuses_copies_beyond_the_memory_budget() -> None:
 
 def test_the_recorder_keeps_the_layers_below_the_scope_and_sees_it_reach_the_loss() -> None:
     # Arrange: LoRA on the top layer's attention of a 2-layer Llama
-    model, scope = _lora_llama(("layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"))
+    model, scope = lora_llama(("layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"))
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
