@@ -461,21 +461,6 @@ def batch_indices(n: int, batch_size: int, rng: np.random.Generator) -> Iterator
             yield order[start:start + size]
 
 
-def lm_batches(examples: Examples, tokenizer: Any, batch_size: int, max_len: int,
-               rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """`train_batches` for a causal LM: the texts only (labels unused), next-token targets in
-    `labels` with padding set to -100, so a loss skips it (`trainer.causal_lm_loss`)."""
-    for batch in train_batches(examples, tokenizer, batch_size, max_len, rng):
-        yield lm_targets(batch)
-
-
-def batches_for(model_kind: str, examples: Examples, tokenizer: Any, batch_size: int,
-                max_len: int, rng: np.random.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Training batches for a model kind: `lm_batches` for a causal LM, else `train_batches`."""
-    make = lm_batches if model_kind == "causal_lm" else train_batches
-    return make(examples, tokenizer, batch_size, max_len, rng)
-
-
 def lm_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A tokenized batch as a language-modelling batch: labels = input_ids, -100 on padding."""
     ids = batch["input_ids"]

@@ -19,6 +19,7 @@ from seedfed.client import tastes
 
 if TYPE_CHECKING:  # torch loads only to score a torch model: the ORT device shares the data
     from seedfed.shared.model.factory import ModelBundle
+    from seedfed.shared.model.objectives import NextTokenCounts
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -175,20 +176,32 @@ def on_model_device(batch: dict[str, Any], model: Any) -> dict[str, Any]:
 @_no_grad
 def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                    batch_size: int = 32) -> tuple[float, float]:
-    """(accuracy, mean loss) of the model on labelled examples; (0, 0) for none. A causal LM
-    (a ternary task's BitNet model) scores next-token accuracy and loss on the texts instead."""
+    """(accuracy, mean loss) of the model on labelled examples under the task's objective;
+    (0, 0) for none. A classifier and a label-words LM: accuracy of the class prediction and
+    mean cross-entropy per example; a next-token LM: next-word top-1 accuracy and mean
+    next-token loss per token (`next_token_scores` has perplexity and top-3)."""
     import torch
+    from seedfed.client.objective_batches import task_batches
+    from seedfed.shared.model.objectives import LabelWords, label_word_ids
 
     if len(examples) == 0:
         return 0.0, 0.0
-    if bundle.spec.model_kind == "causal_lm":
-        return _next_token_accuracy(bundle, examples, batch_size)
+    spec = bundle.spec
+    if spec.objective.kind == "next_token":
+        counts = next_token_scores(bundle, examples, batch_size)
+        return counts.top1_accuracy, (counts.nll / counts.tokens if counts.tokens else 0.0)
+    words = (LabelWords(label_word_ids(bundle.tokenizer, spec.objective))
+             if spec.objective.kind == "label_words" else None)
     correct, loss_sum = 0, 0.0
-    for cpu_batch in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
-                                           bundle.spec.max_seq_len):
-        batch = on_model_device(cpu_batch, bundle.model)
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = bundle.model(**inputs).logits.float()
+    for start in range(0, len(examples), batch_size):
+        sl = slice(start, start + batch_size)
+        batch = on_model_device(task_batches(spec, bundle.tokenizer, examples.texts[sl],
+                                             examples.labels[sl]), bundle.model)
+        if words is not None:
+            logits = words.logits(bundle.model, batch)
+        else:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            logits = bundle.model(**inputs).logits.float()
         loss_sum += float(torch.nn.functional.cross_entropy(logits, batch["labels"],
                                                             reduction="sum"))
         correct += int((logits.argmax(-1) == batch["labels"]).sum())
@@ -196,23 +209,20 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
 
 
 @_no_grad
-def _next_token_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
-                         batch_size: int) -> tuple[float, float]:
-    """(next-token accuracy, mean next-token loss) over every non-padding target token."""
-    import torch
+def next_token_scores(bundle: ModelBundle, examples: data_mod.Examples, batch_size: int = 32,
+                      bias: Any = None) -> NextTokenCounts:
+    """Perplexity and next-word top-1 / top-3 counts of a causal LM on the examples' texts;
+    `bias` (a (V,) tensor, a personal part's) is added to every position's logits."""
+    from seedfed.shared.model.objectives import NextTokenCounts, next_token_counts, word_starts
 
-    correct = tokens = 0
-    loss_sum = 0.0
+    counts = NextTokenCounts()
+    starts = word_starts(bundle.tokenizer)
     for raw in data_mod.eval_batches(examples, bundle.tokenizer, batch_size,
                                      bundle.spec.max_seq_len):
         batch = on_model_device(data_mod.lm_targets(raw), bundle.model)
         logits = bundle.model(input_ids=batch["input_ids"],
-                              attention_mask=batch.get("attention_mask")).logits[:, :-1].float()
-        target = batch["labels"][:, 1:]
-        keep = target != -100
-        loss_sum += float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100,
-            reduction="sum"))
-        correct += int(((logits.argmax(-1) == target) & keep).sum())
-        tokens += int(keep.sum())
-    return (correct / tokens, loss_sum / tokens) if tokens else (0.0, 0.0)
+                              attention_mask=batch.get("attention_mask")).logits
+        if bias is not None:
+            logits = logits.float() + bias.to(logits.device)
+        counts.add(next_token_counts(logits, batch["labels"], starts))
+    return counts

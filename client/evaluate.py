@@ -53,8 +53,16 @@ def predict(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATC
 
 
 def accuracy(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> Score:
+    """The version's accuracy under the task's objective: a classifier's and a label-words
+    LM's class accuracy per example; a next-token LM's next-word top-1 accuracy (`correct`:
+    that share of the examples, rounded)."""
     if len(examples) == 0:
         raise ValueError("cannot score an empty example set")
+    if bundle.spec.model_kind == "causal_lm":
+        from seedfed.client.device_data import local_accuracy
+
+        acc = local_accuracy(bundle, examples)[0]
+        return Score(acc, len(examples), round(acc * len(examples)))
     preds = predict(bundle, examples, batch_size)
     correct = int((preds == torch.as_tensor(examples.labels)).sum())
     return Score(correct / len(examples), len(examples), correct)

@@ -207,17 +207,27 @@ def model_fingerprint(bundle: ModelBundle) -> str:
         t = p.detach().contiguous()
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy().data)
-    head = head_module(bundle.model)
+    head = _head_or_none(bundle)
     desc = {"identity": IDENTITY, "model_kind": spec.model_kind, "num_labels": spec.num_labels,
-            "label_texts": list(spec.label_texts), "hidden": head.in_features,
+            "label_texts": list(spec.label_texts),
+            "hidden": head.in_features if head is not None else None,
             "frozen": digest.hexdigest()}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+def _head_or_none(bundle: ModelBundle) -> nn.Linear | None:
+    """The classification head; None for a causal LM, which has none (its LM head is part of
+    the frozen model the fingerprint hashes)."""
+    if bundle.spec.model_kind == "causal_lm":
+        return None
+    return head_module(bundle.model)
 
 
 def _frozen(bundle: ModelBundle) -> list[tuple[str, torch.Tensor]]:
     """The parameters neither the shared scope nor the head trains, in the model's order."""
     trained = {t.tensor.data_ptr() for t in bundle.scope}
-    head_ptrs = {p.data_ptr() for p in head_module(bundle.model).parameters()}
+    head = _head_or_none(bundle)
+    head_ptrs = {p.data_ptr() for p in head.parameters()} if head is not None else set()
     return [(name, p) for name, p in bundle.model.named_parameters()
             if p.data_ptr() not in trained and p.data_ptr() not in head_ptrs]
 

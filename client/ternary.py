@@ -36,9 +36,10 @@ from pathlib import Path
 
 from seedfed.client.backends.base import DeviceStateError, SyncResult
 from seedfed.client.sync import catch_up, load_state, read_snapshot, replayable_in_epoch
-from seedfed.client.trainer import LocalTrainer, LossOnBatch, causal_lm_loss, classification_loss
+from seedfed.client.trainer import LocalTrainer
 from seedfed.shared.model.factory import ModelBundle
 from seedfed.shared.model.hf import load_tokenizer, set_pad_token_id
+from seedfed.shared.model.objectives import task_losses
 from seedfed.shared.model.ternary import (
     MaskConfig,
     TernaryScope,
@@ -56,11 +57,6 @@ SNAPSHOT_FORMAT = "ternary"
 
 def is_ternary(spec: TaskSpec) -> bool:
     return spec.scope == "ternary"
-
-
-def loss_for(spec: TaskSpec) -> LossOnBatch:
-    """The training loss of a task's model kind."""
-    return causal_lm_loss if spec.model_kind == "causal_lm" else classification_loss
 
 
 class PackedTernary:
@@ -94,7 +90,7 @@ class PackedTernary:
         set_pad_token_id(self.model, tokenizer)
         self.tokenizer, self.spec = tokenizer, spec
         self.config: MaskConfig = self.options(spec).mask
-        self.loss = loss_for(spec)
+        self.loss, self.copy_losses = task_losses(spec, tokenizer)
         self.scope: TernaryScope | None = None
         self.version: int | None = None
         self.checksum = ""
@@ -117,7 +113,8 @@ class PackedTernary:
         if self.scope is None:
             raise DeviceStateError("the packed model holds no snapshot yet")
         if self._trainer is None or self._trainer.scope is not self.scope:
-            self._trainer = LocalTrainer(self.model, self.scope, self.loss)
+            self._trainer = LocalTrainer(self.model, self.scope, self.loss,
+                                         copy_losses=self.copy_losses)
         return self._trainer
 
     def forget(self) -> None:

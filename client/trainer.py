@@ -20,6 +20,12 @@ from safetensors.torch import load_file, save_file
 from seedfed.client.probes import DEFAULT_BUDGET_MB, CopyLosses, ProbeEngine, engine_step
 from seedfed.shared.model.classifier import prime_features
 from seedfed.shared.model.estimator import StepResult, ZOConfig, spsa_step
+from seedfed.shared.model.objectives import (
+    causal_lm_loss,
+    causal_lm_losses,
+    classification_loss,
+    classification_losses,
+)
 from seedfed.shared.model.perturb import Mode, Perturber
 from seedfed.shared.model.scopes import Scope
 from seedfed.shared.protocol.wire import RoundPlan
@@ -40,49 +46,6 @@ class TrainResult:
     forwards: int  # probes evaluated
     model_calls: int = 0  # forward calls (fewer than `forwards` when probes were batched)
     copies_per_forward: int = 1  # the fewest probes stacked per forward in the round
-
-
-def causal_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy; labels of -100 (padding, prompt) are skipped."""
-    labels = batch.get("labels", batch["input_ids"])
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-    logits = out.logits[:, :-1].float()
-    target = labels[:, 1:]
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                                       ignore_index=-100)
-
-
-def classification_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Cross-entropy of a sequence-classification model's logits against `labels`."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits.float()
-    return nn.functional.cross_entropy(logits, batch["labels"])
-
-
-def causal_lm_losses(model: nn.Module, batch: Batch, copies: int) -> torch.Tensor:
-    """`causal_lm_loss` of each of `copies` stacked copies of a batch (shape (copies,)).
-
-    The cross-entropy runs copy by copy, so its float32 logits and log-softmax temporaries
-    exist for one copy at a time (the vocabulary makes them the largest tensors of the step)."""
-    labels = batch.get("labels", batch["input_ids"])
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-    rows = out.logits.shape[0] // copies
-    losses = []
-    for c in range(copies):
-        part = slice(c * rows, (c + 1) * rows)
-        logits = out.logits[part, :-1].float()
-        target = labels[part, 1:]
-        losses.append(nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100))
-    return torch.stack(losses)
-
-
-def classification_losses(model: nn.Module, batch: Batch, copies: int) -> torch.Tensor:
-    """`classification_loss` of each of `copies` stacked copies of a batch (shape (copies,))."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits.float()
-    per = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-    return per.view(copies, -1).mean(dim=1)
 
 
 #: The per-copy form of each built-in loss: what lets the trainer batch probes.

@@ -530,7 +530,8 @@ def ort_export(
         manifest = export_bundle(spec, Path(out))
     except BundleError as e:  # the task or model is not one the ORT device runs
         raise UsageError(str(e), "export a head-scope fp32 task of a sentence-transformers "
-                         "model (e.g. `seedfed task create --recipe sst2`)") from e
+                         "model (e.g. `seedfed task create --recipe sst2`) or an fp32 "
+                         "causal_lm task of scope lora") from e
     typer.echo(f"wrote {out}: {len(manifest.tensors)} trainable tensors as graph inputs "
                f"({sum(t.numel for t in manifest.tensors)} values)")
 
@@ -670,6 +671,40 @@ def ternarize(
                           "give an fp32 sentence-transformers model directory")
     run_with_progress(Path(model or default_model_path()), Path(data), Path(out),
                       _config(TernarizeConfig, given), SST2_LABEL_TEXTS, force=force)
+
+
+# --- lm-base ---------------------------------------------------------------------------------
+@app.command("lm-base")
+def lm_base(
+    data: str = typer.Option(..., "--data", help="labelled TSV/JSONL: its training split's "
+                             "sentences (labels dropped) are pretrained on; its validation "
+                             "split scores the perplexity"),
+    out: str = typer.Option(..., "--out", help="the causal-LM base's model directory"),
+    sentences: int = typer.Option(None, "--sentences", min=1, help="training sentences "
+                                  "pretrained on (default: the demonstration base's 30,000)"),
+    epochs: int = typer.Option(None, "--epochs", min=1, help="pretraining epochs (default: 2)"),
+    threads: int = typer.Option(2, "--threads", min=1, help="torch threads"),
+    force: bool = typer.Option(False, "--force", help="rebuild even if OUT holds a base made "
+                               "with the same settings"),
+) -> None:
+    """Pretrain a small Llama (about 5M parameters, BPE tokenizer) on a data file's sentences:
+    the causal-LM base of the language-model recipes (docs/llm.md); progress bar, wall time,
+    validation perplexity. A directory made with the same settings is reused."""
+    from dataclasses import replace
+
+    import torch
+
+    from seedfed.lm_base import DEMO_CONFIG, run_with_progress
+
+    torch.set_num_threads(threads)
+    check_simulation_data(data, classes=False)
+    given = {k: v for k, v in {"sentences": sentences, "pretrain_epochs": epochs}.items()
+             if v is not None}
+    try:
+        config = replace(DEMO_CONFIG, **given)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    run_with_progress(Path(data), Path(out), config, force=force)
 
 
 def _config(cls: Any, given: dict[str, Any]) -> Any:

@@ -29,12 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from seedfed.client.data import Examples, train_batches
+from seedfed.client.data import Examples
 from seedfed.client.evaluate import accuracy
-from seedfed.client.trainer import LocalTrainer, classification_loss
+from seedfed.client.objective_batches import endless_batches
+from seedfed.client.trainer import LocalTrainer
 from seedfed.shared.model.classifier import expect_texts, pooled_classifier, share_features
 from seedfed.shared.model.factory import ModelBundle, build_model
 from seedfed.shared.model.features import FEATURE_GROUP, FeatureStore
+from seedfed.shared.model.objectives import task_losses
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.protocol.scope_options import TernaryOptions
 from seedfed.shared.protocol.task import TaskSpec
@@ -190,8 +192,8 @@ def _step_s(spec: TaskSpec, bundle: ModelBundle, trainer: LocalTrainer, train: E
             version: int, perturbations: int, repeats: int) -> float:
     """Seconds of one local step of a plan with `perturbations` seeds at `version`."""
     h = spec.hyper
-    batches = train_batches(train, bundle.tokenizer, h.batch_size, spec.max_seq_len,
-                            np.random.default_rng(0))
+    batches = endless_batches(spec, bundle.tokenizer, train.texts, train.labels, h.batch_size,
+                              np.random.default_rng(0))
     # An fp32 device caches what its scope leaves frozen (a head's features) for its whole
     # data set before its first step (a simulation's shared feature store), so the
     # steady-state step is a repeat of one batch after the first; a packed ternary device
@@ -242,9 +244,9 @@ def _round_rest_s(spec: TaskSpec, coordinator: ModelBundle, train: Examples,
             device.store = MemoryStore(device.store.load())
             whole.append(_timed(device.train, plan, train, DeviceData()))
             steps.append(_timed(backend.model.trainer.run, plan,
-                                itertools.repeat(next(iter(train_batches(
-                                    train, backend.bundle.tokenizer, h.batch_size,
-                                    spec.max_seq_len, np.random.default_rng(0)))))))
+                                itertools.repeat(next(endless_batches(
+                                    spec, backend.bundle.tokenizer, train.texts, train.labels,
+                                    h.batch_size, np.random.default_rng(0))))))
         coefs = [1e-12] * perturbations  # a throwaway model: any entry costs the same
 
         def replay() -> None:
@@ -363,8 +365,9 @@ def _device_at(spec: TaskSpec, coordinator: ModelBundle, version: int,
     or for a ternary task a packed device loaded from the snapshot it publishes."""
     if spec.scope != "ternary":
         h = spec.hyper
-        return coordinator, LocalTrainer(coordinator.model, coordinator.scope,
-                                         classification_loss, max_copies=h.probe_copies,
+        loss, copy_losses = task_losses(spec, coordinator.tokenizer)
+        return coordinator, LocalTrainer(coordinator.model, coordinator.scope, loss,
+                                         copy_losses=copy_losses, max_copies=h.probe_copies,
                                          budget_mb=h.probe_memory_mb)
     from safetensors.torch import save
 

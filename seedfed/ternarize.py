@@ -514,7 +514,7 @@ def _kd_loss(student: nn.Module, teacher: nn.Module, batch: dict[str, torch.Tens
 def pretrain(model: nn.Module, tokenizer: Any, texts: Sequence[str], config: CausalLMConfig,
              on_step: Callable[[int, int, float], None] | None = None) -> nn.Module:
     """First-order next-token pretraining of an fp32 causal LM on `texts` (AdamW)."""
-    from seedfed.client.trainer import causal_lm_loss
+    from seedfed.shared.model.objectives import causal_lm_loss
 
     model.train()
     _fit(model, lambda batch: causal_lm_loss(model, batch), tokenizer, texts,
@@ -562,11 +562,13 @@ def perplexity(model: nn.Module, tokenizer: Any, texts: Sequence[str], max_len: 
 
 def ternarize_causal(data: Path, out: Path, config: CausalLMConfig,
                      on_step: Callable[[str, int, int, float], None] | None = None,
-                     ) -> dict[str, Any]:
+                     teacher_dir: Path | None = None) -> dict[str, Any]:
     """Make a ternary causal-LM base at `out` from the training split of `data` (a labelled
     TSV/JSONL; labels dropped): tokenizer, fp32 pretraining, distillation into BitLinear.
-    Returns the metadata written to `out/ternary.json` (validation perplexity of the fp32
-    teacher, of its plain ternarization and of the distilled base; the wall times)."""
+    `teacher_dir`: a `seedfed lm-base` directory made from the same data and settings, whose
+    tokenizer and fp32 model are the pretraining stage (then not run again). Returns the
+    metadata written to `out/ternary.json` (validation perplexity of the fp32 teacher, of its
+    plain ternarization and of the distilled base; the wall times)."""
     from seedfed.client.device_data import dataset_splits
 
     splits = dataset_splits(str(data))
@@ -578,9 +580,12 @@ def ternarize_causal(data: Path, out: Path, config: CausalLMConfig,
     def phase(name: str) -> Callable[[int, int, float], None] | None:
         return None if on_step is None else (lambda s, t, loss: on_step(name, s, t, loss))
 
-    tokenizer = train_tokenizer(texts, config.vocab)
-    teacher = pretrain(build_causal_lm(config, tokenizer), tokenizer, texts, config,
-                       phase("pretrain"))
+    if teacher_dir is not None:
+        tokenizer, teacher = _pretrained_teacher(data, teacher_dir, config)
+    else:
+        tokenizer = train_tokenizer(texts, config.vocab)
+        teacher = pretrain(build_causal_lm(config, tokenizer), tokenizer, texts, config,
+                           phase("pretrain"))
     pretrained = time.perf_counter()
     student = distill_causal(teacher, tokenizer, texts, config, phase("distill"))
     done = time.perf_counter()
@@ -604,15 +609,30 @@ def ternarize_causal(data: Path, out: Path, config: CausalLMConfig,
     return meta
 
 
+def _pretrained_teacher(data: Path, teacher_dir: Path, config: CausalLMConfig,
+                        ) -> tuple[Any, nn.Module]:
+    """The tokenizer and frozen fp32 model of a `seedfed lm-base` directory, checked to be
+    the pretraining stage of these settings (`lm_base.json`'s key)."""
+    from seedfed.shared.model.hf import load_base
+    from seedfed.shared.protocol.task import TaskSpec
+
+    meta = json.loads((teacher_dir / "lm_base.json").read_text(encoding="utf-8"))
+    if meta.get("key") != causal_settings_key(data, config):
+        raise ValueError(f"{teacher_dir} was pretrained with other data or settings than "
+                         "these; make it with `seedfed lm-base` on the same data")
+    model, tokenizer = load_base(TaskSpec(model_path=str(teacher_dir), model_kind="causal_lm"))
+    return tokenizer, _frozen(model)
+
+
 def ensure_causal_base(data: Path, out: Path, config: CausalLMConfig,
                        on_step: Callable[[str, int, int, float], None] | None = None,
-                       ) -> dict[str, Any]:
+                       teacher_dir: Path | None = None) -> dict[str, Any]:
     """`ternarize_causal`, unless `out` already holds a base made with the same settings key."""
     meta = read_meta(out)
     if meta is not None and meta.get("key") == causal_settings_key(data, config) and \
             (out / "model.safetensors").is_file():
         return meta
-    return ternarize_causal(data, out, config, on_step)
+    return ternarize_causal(data, out, config, on_step, teacher_dir)
 
 
 def run_causal_with_progress(data: Path, out: Path, config: CausalLMConfig,

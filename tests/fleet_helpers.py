@@ -125,6 +125,49 @@ def write_tiny_llama(path: Path, tokenizer: bool = False, seed: int = 0) -> Path
     return path
 
 
+#: The causal-LM families `write_tiny_causal_lm` builds.
+CAUSAL_LM_FAMILIES = ("llama", "qwen2", "gpt2", "opt")
+
+
+def tiny_causal_lm_config(family: str) -> Any:
+    """A 2-layer, hidden-32, vocab-96 config of a causal-LM `family` (CAUSAL_LM_FAMILIES)."""
+    from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
+
+    if family == "llama":
+        return LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64)
+    if family == "qwen2":
+        return Qwen2Config(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64)
+    if family == "gpt2":  # GPT-2's default bos/eos (50256) lie outside the tiny vocabulary
+        return GPT2Config(vocab_size=LLAMA_VOCAB, n_embd=32, n_layer=2, n_head=4,
+                          n_positions=64, bos_token_id=2, eos_token_id=3)
+    if family == "opt":
+        return OPTConfig(vocab_size=LLAMA_VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64,
+                         word_embed_proj_dim=32)
+    raise ValueError(f"family must be one of {CAUSAL_LM_FAMILIES}, got {family!r}")
+
+
+def write_tiny_causal_lm(path: Path, family: str, seed: int = 0) -> Path:
+    """A tiny causal LM of `family` (`tiny_causal_lm_config`) with weights from an explicit
+    generator and a character tokenizer, saved to `path`: `write_tiny_llama`'s, except for
+    qwen2, whose directory transformers always loads as a byte-level Qwen2Tokenizer (no
+    lower-casing, a space is 'Ġ'), so it gets the same characters in byte-level form."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_causal_lm_config(family))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.eval().save_pretrained(path)
+    _char_tokenizer(byte_level=family == "qwen2").save_pretrained(path)
+    return path
+
+
 def ternary_spec(model: Path, epoch_rounds: int = 2) -> TaskSpec:
     """A ternary (TerMeZO) causal-LM task on `model`: 5% masks, a mask epoch every
     `epoch_rounds` versions, 2 steps x 2 perturbations of 2 examples."""
@@ -134,15 +177,21 @@ def ternary_spec(model: Path, epoch_rounds: int = 2) -> TaskSpec:
                     hyper=Hyper(lr=1e-2, eps=5e-3, steps=2, perturbations=2, batch_size=2))
 
 
-def _char_tokenizer() -> object:
+def _char_tokenizer(byte_level: bool = False) -> Any:
+    """One token per character of LLAMA_CHARS (lower-cased). `byte_level`: the same ids with
+    the space spelled 'Ġ', plus upper-case letters after them (a byte-level tokenizer neither
+    lower-cases nor sees a bare space)."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate(specials + list(LLAMA_CHARS))}
+    chars = (LLAMA_CHARS.replace(" ", "Ġ") + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if byte_level
+             else LLAMA_CHARS)
+    vocab = {t: i for i, t in enumerate(specials + list(chars))}
     assert len(vocab) <= LLAMA_VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
+    if not byte_level:
+        tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")

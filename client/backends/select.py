@@ -20,10 +20,10 @@ def open_backend(spec: TaskSpec, config: BackendConfig,
     task's bundle. `features` (torch): a feature store shared beyond this process."""
     if config.kind == "ort":
         from seedfed.client.backends.ort.backend import OrtBackend
-        from seedfed.client.backends.ort.runtime import OrtModel
+        from seedfed.client.backends.ort.runtime import open_model
 
         assert config.model is not None  # BackendConfig requires it
-        return OrtBackend(spec, OrtModel(config.model, threads=config.threads))
+        return OrtBackend(spec, open_model(config.model, threads=config.threads))
     from seedfed.client.backends.torch import TorchBackend
 
     if config.model:

@@ -31,13 +31,16 @@ from seedfed.client.backends.base import (
     Trained,
 )
 from seedfed.client.device_data import DeviceData, local_accuracy
+from seedfed.client.objective_batches import endless_batches
 from seedfed.client.personal import PersonalConfig, PersonalPart
+from seedfed.client.personal_lm import LMPersonalPart
 from seedfed.client.sync import catch_up, load_state, state_bytes
 from seedfed.client.ternary import PackedTernary, is_ternary
-from seedfed.client.trainer import Batch, LocalTrainer, classification_loss
+from seedfed.client.trainer import Batch, LocalTrainer
 from seedfed.shared.model.classifier import expect_texts, share_features
 from seedfed.shared.model.factory import ModelBundle, build_model
 from seedfed.shared.model.features import FeatureStore
+from seedfed.shared.model.objectives import task_losses
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope, ScopedTensor
 from seedfed.shared.protocol.errors import LogEntryMismatchError, UserError
@@ -106,17 +109,15 @@ class Fp32Model:
     snapshot_format = FP32
 
     def __init__(self, spec: TaskSpec, device: torch.device) -> None:
-        if spec.model_kind != "seq_cls":
-            raise DeviceStateError(f"a device trains seq_cls tasks (and ternary causal LMs), "
-                                   f"not {spec.model_kind}")
         self.bundle: ModelBundle = build_model(spec, initialize=False)
         if device.type != "cpu":
             self.bundle.model.to(device)
             stale = [t.name for t in self.bundle.scope if t.tensor.device != device]
             if stale:
                 raise DeviceStateError(f"trainable tensor {stale[0]} did not move to {device}")
-        self.trainer = LocalTrainer(self.bundle.model, self.bundle.scope, classification_loss,
-                                    max_copies=spec.hyper.probe_copies,
+        loss, copy_losses = task_losses(spec, self.bundle.tokenizer)
+        self.trainer = LocalTrainer(self.bundle.model, self.bundle.scope, loss,
+                                    copy_losses=copy_losses, max_copies=spec.hyper.probe_copies,
                                     budget_mb=spec.hyper.probe_memory_mb)
         self.version: int | None = None
         self.checksum = ""
@@ -222,8 +223,8 @@ class TorchBackend:
         bundle = self.bundle
         self._expect(examples)
         rng = np.random.default_rng([data.seed, data.partition_id, plan.round])
-        batches = data_mod.batches_for(bundle.spec.model_kind, examples, bundle.tokenizer,
-                                       plan.batch_size, bundle.spec.max_seq_len, rng)
+        batches = endless_batches(bundle.spec, bundle.tokenizer, examples.texts,
+                                  examples.labels, plan.batch_size, rng)
         result = self.model.trainer.run(plan, self._placed(batches))
         if checksum(bundle.scope) != self.checksum:  # the trainer must have put v back
             self.forget()
@@ -256,8 +257,14 @@ class TorchBackend:
         self._expect(examples)
         return local_accuracy(self.bundle, examples)
 
-    def personal_part(self, config: PersonalConfig, task_id: str) -> PersonalPart | None:
-        """A ternary task (a causal LM) has no class head to personalize."""
+    def personal_part(self, config: PersonalConfig, task_id: str,
+                      ) -> PersonalPart | LMPersonalPart | None:
+        """A classifier's personal head (`client.personal`), or a next-token LM's personal
+        vocabulary bias (`client.personal_lm`). A ternary task and a label-words LM have none."""
         if not isinstance(self.model, Fp32Model):
+            return None
+        if self.spec.objective.kind == "next_token":
+            return LMPersonalPart(config, self.model.bundle, task_id)
+        if self.spec.model_kind == "causal_lm":
             return None
         return PersonalPart(config, self.model.bundle, task_id)

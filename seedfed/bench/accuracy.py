@@ -44,8 +44,8 @@ from seedfed.bench.report import write_json
 from seedfed.client.data import Examples, train_batches
 from seedfed.client.device_data import DeviceData, dataset_splits, load_device_examples
 from seedfed.client.evaluate import accuracy
-from seedfed.client.trainer import classification_loss
 from seedfed.shared.model.factory import ModelBundle, build_model
+from seedfed.shared.model.objectives import classification_loss
 from seedfed.shared.protocol import recipes
 from seedfed.shared.protocol.scope_options import options_for
 from seedfed.shared.protocol.task import TaskSpec

@@ -59,7 +59,7 @@ def _zo_step_fn(model: torch.nn.Module, loss_fn: Callable[[], float],
 
 def _model_and_loss(shape_name: str) -> tuple[nn.Module, Any, Callable[[], float]]:
     """The shape's model, its fixed batch, and the no-grad forward loss on that batch."""
-    from seedfed.client.trainer import causal_lm_loss
+    from seedfed.shared.model.objectives import causal_lm_loss
 
     shape = shape_named(shape_name)
     model = build_model(shape)
@@ -73,7 +73,7 @@ def _model_and_loss(shape_name: str) -> tuple[nn.Module, Any, Callable[[], float
 
 
 def _work(kind: str, shape_name: str) -> Callable[[int], None]:
-    from seedfed.client.trainer import causal_lm_loss
+    from seedfed.shared.model.objectives import causal_lm_loss
 
     model, batch, loss_fn = _model_and_loss(shape_name)
     if kind == "inference":

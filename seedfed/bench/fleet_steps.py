@@ -59,10 +59,11 @@ import torch
 from seedfed.bench.registry import RESULTS, bench_parser, positive_int
 from seedfed.client.backends.base import BackendConfig, DeviceStateError
 from seedfed.client.backends.torch import TorchBackend, resolve_torch_device
-from seedfed.client.data import Examples, batches_for
+from seedfed.client.data import Examples
 from seedfed.client.device import Device, MemoryStore
 from seedfed.client.device_data import DeviceData, load_device_examples
 from seedfed.client.fleet_probes import HeadFleet, head_features
+from seedfed.client.objective_batches import endless_batches
 from seedfed.client.sync import read_snapshot, state_bytes
 from seedfed.features import SharedFeatures
 from seedfed.shared.model.estimator import ZOConfig
@@ -285,9 +286,9 @@ class BatchedHeadFleet:
                           clip=plan.clip, one_sided=plan.one_sided)
         model, tokenizer = self.bundle.model, self.bundle.tokenizer
         t0 = time.perf_counter()
-        draws = [batches_for(spec.model_kind, examples, tokenizer, plan.batch_size,
-                             spec.max_seq_len, np.random.default_rng(
-                                 [data.seed, data.partition_id, plan.round]))
+        draws = [endless_batches(spec, tokenizer, examples.texts, examples.labels,
+                                 plan.batch_size, np.random.default_rng(
+                                     [data.seed, data.partition_id, plan.round]))
                  for examples, data in zip(fleet.examples, fleet.data, strict=True)]
         g = np.zeros((len(draws), plan.steps, plan.perturbations), dtype=np.float32)
         for step, seeds in enumerate(plan.seeds):

@@ -139,7 +139,7 @@ def _adapt(base: Any, targets: tuple[str, ...] | None, scope_kind: str,
 
 
 def build_case(name: str, quick: bool) -> Case:
-    from seedfed.client.trainer import (
+    from seedfed.shared.model.objectives import (
         causal_lm_loss,
         causal_lm_losses,
         classification_loss,
@@ -267,7 +267,7 @@ def measure(name: str, ps: list[int], repeats: int, quick: bool,
 
 
 def sweep(p: int, repeats: int, quick: bool) -> dict[str, Any]:
-    from seedfed.client.trainer import classification_loss, classification_losses
+    from seedfed.shared.model.objectives import classification_loss, classification_losses
 
     base, tokenizer = _minilm_base(quick)
     batch = _minilm_batch(tokenizer, quick)

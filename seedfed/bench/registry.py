@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, str] = {
     "ternary": "TerMeZO on ternary (BitNet b1.58) models: loss curves by mask, device memory",
     "ternary_fed": "federated TerMeZO on a ternary classifier: which latents to train",
     "ternary_lm": "federated TerMeZO on a ternary causal LM: held-out perplexity",
+    "lm_labels": "label words beside a linear head on the same small causal LM, at equal "
+                 "forward passes (validation accuracy)",
+    "lm_keyboard": "next-word personalization on a fleet of writers: per-device perplexity and "
+                   "top-3, shared vs personalized vs local-only, per shared-model format",
     "ingest": "coordinator upload ingestion: throughput and latency on loopback",
     "crash": "SIGKILL a real coordinator under uploads: no accepted upload lost or doubled",
     "fuzz": "schemathesis against a real coordinator: no 5xx, every answer in the OpenAPI "

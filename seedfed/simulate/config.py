@@ -20,6 +20,7 @@ from seedfed.shared.protocol.recipes import (
     PREFERENCE_LABEL_TEXTS,
     SST2_LABEL_TEXTS,
     Resolved,
+    lm_counterpart,
     parse_set,
     resolve_recipe,
 )
@@ -144,7 +145,8 @@ class SimulationConfig:
         for name in ("devices", "rounds", "devices_per_round", "alpha"):
             object.__setattr__(self, name, getattr(fleet, name))
         if self.recipe is None:
-            object.__setattr__(self, "recipe", default_recipe(self.data, self.format))
+            object.__setattr__(self, "recipe", lm_counterpart(
+                default_recipe(self.data, self.format), self.model))
 
     def resolved(self, label_texts: tuple[str, ...] | None = None) -> Resolved:
         """The recipe with this run's scope, overrides and fleet settings applied (`label_texts`:

@@ -45,14 +45,18 @@ class Evaluator:
                          spec.max_seq_len)
 
     def __call__(self, snapshot: bytes, chk: str, version: int = 0) -> float:
+        """The version's held-out accuracy under the task's objective
+        (`client.evaluate.accuracy`)."""
         from seedfed.client.evaluate import accuracy
         from seedfed.client.sync import load_state
 
         if self.packed is not None:
             self.packed.load_snapshot(snapshot, version, chk)
-            return accuracy(self.packed.bundle, self.examples).accuracy
-        load_state(self.bundle.scope, snapshot, chk)
-        return accuracy(self.bundle, self.examples).accuracy
+            bundle = self.packed.bundle
+        else:
+            load_state(self.bundle.scope, snapshot, chk)
+            bundle = self.bundle
+        return accuracy(bundle, self.examples).accuracy
 
     def score(self, coordinator: Any, task_id: str, version: int) -> float:
         """Accuracy of the coordinator's `version` of the task."""

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from seedfed.shared.protocol.aggregate import AggregationConfig
+from seedfed.shared.protocol.objective import Objective
 from seedfed.shared.protocol.scope_options import (
     NamedOptions,
     TernaryOptions,
@@ -177,6 +178,23 @@ def _ternary(labels: tuple[str, ...], max_seq_len: int) -> Mapping[str, Any]:
         "step_scales": HEAD_STEP_SCALES, "max_seq_len": max_seq_len, "format": "ternary"})
 
 
+#: The language-model recipes (docs/llm.md), tuned on the validation split with the small
+#: Llama `seedfed lm-base` makes: LoRA r 8 on every attention query and value projection
+#: (peft's targets for the architecture). `lm-labels` phrases a labelled task as the LM's own
+#: next word (MeZO's prompt and label words); `lm-keyboard` trains next-token prediction on
+#: each device's own text (the keyboard case), with a personal part on top.
+LM_LORA = LoraOptions(r=8, alpha=16)
+LM_LABELS_HYPER = Hyper(lr=1e-2, eps=1e-2, steps=1, perturbations=16, batch_size=16)
+LM_KEYBOARD_HYPER = Hyper(lr=0.3, eps=1e-3, steps=1, perturbations=16, batch_size=16)
+_LM_FLEET = Fleet(rounds=30, devices=20, devices_per_round=20)
+
+
+def _lm(objective: str, hyper: Hyper, max_seq_len: int) -> Mapping[str, Any]:
+    return MappingProxyType({"model_kind": "causal_lm", "objective": Objective(objective),  # type: ignore[arg-type]
+                             "scope": "lora", "lora": LM_LORA, "hyper": hyper,
+                             "max_seq_len": max_seq_len})
+
+
 _SST2_FLEET = Fleet(rounds=300, devices=20, devices_per_round=20)
 _TERNARY_FLEET = Fleet(rounds=TERNARY_ROUNDS, devices=10, devices_per_round=10)
 
@@ -205,6 +223,13 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (
            _ternary(SST2_LABEL_TEXTS, 64), _TERNARY_FLEET),
     Recipe("ternary-tastes", "the ternary recipe on the taste task's labels",
            _ternary(PREFERENCE_LABEL_TEXTS, 32), replace(_TERNARY_FLEET, data="tastes")),
+    Recipe("lm-labels", "a causal LM on labelled data: the prompt '<text> It was' and label "
+           "words (terrible, great) through the LM head, LoRA r 8 on the attention query and "
+           "value (--model: a causal LM directory, e.g. `seedfed lm-base`)",
+           _lm("label_words", LM_LABELS_HYPER, 64), _LM_FLEET),
+    Recipe("lm-keyboard", "next-word prediction on each device's own text (the keyboard "
+           "case): a causal LM's next-token loss, LoRA r 8 on the attention query and value",
+           _lm("next_token", LM_KEYBOARD_HYPER, 32), _LM_FLEET),
     Recipe("bare", "TaskSpec's own defaults (LoRA on query and value, lr 1e-4): no measured "
            "recipe", MappingProxyType({}), Fleet()),
 )})
@@ -224,7 +249,7 @@ SPEC_KEYS: tuple[str, ...] = ("model_kind", "num_labels", "label_texts", "format
                               "max_seq_len", "step_scales")
 #: The sections of TaskSpec a key may name, and their classes.
 SECTIONS: Mapping[str, type] = MappingProxyType({"hyper": Hyper, "aggregation": AggregationConfig,
-                                                 "lora": LoraOptions})
+                                                 "lora": LoraOptions, "objective": Objective})
 
 
 def scope_kind(scope: str) -> str:
@@ -348,6 +373,7 @@ def resolve_recipe(name: str, overrides: Mapping[str, Any] | None = None, *,
     instead of the recipe's (a `--spec` file). `settings`: the name of the caller's settings
     section, whose `fleet` fields set the fleet and whose others come back in `settings`. An
     lr schedule of the recipe spans the fleet's rounds unless `decay_rounds` is set."""
+    name = lm_counterpart(name, model) if base is None else name
     r = recipe(name)
     given = dict(overrides or {})
     spec = base if base is not None else r.spec(model)
@@ -392,6 +418,37 @@ def _apply(spec: TaskSpec, given: Mapping[str, Any]) -> TaskSpec:
     if "label_texts" in top and "num_labels" not in top:
         top["num_labels"] = len(top["label_texts"])
     return replace(spec, **top, **changes)
+
+
+#: Config `architectures` suffixes of a causal LM.
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def model_kind_of(model_path: str) -> str | None:
+    """causal_lm or seq_cls, read from a Hugging Face directory's config.json (a
+    sentence-transformers directory is a classifier); None when it cannot tell."""
+    import json
+
+    path = Path(model_path)
+    if (path / "modules.json").is_file():
+        return "seq_cls"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    names = config.get("architectures") or [] if isinstance(config, dict) else []
+    if any(isinstance(n, str) and n.endswith(_CAUSAL_SUFFIXES) for n in names):
+        return "causal_lm"
+    return "seq_cls" if names else None
+
+
+def lm_counterpart(name: str, model: str | None) -> str:
+    """The recipe a run of recipe `name` trains on `model`: a causal LM under a classifier
+    recipe trains label words on the same labelled data (`lm-labels`)."""
+    if model is None or recipe(name).task.get("model_kind", "seq_cls") != "seq_cls" or \
+            model_kind_of(model) != "causal_lm":
+        return name
+    return "lm-labels"
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -14,6 +14,7 @@ from typing import Any, Literal, NamedTuple
 
 from seedfed.shared.protocol import ranges as R
 from seedfed.shared.protocol.aggregate import DEFAULT_MAX_WEIGHT_RATIO, AggregationConfig
+from seedfed.shared.protocol.objective import Objective, default_kind
 from seedfed.shared.protocol.ranges import (
     Range,
     bounded,
@@ -190,6 +191,11 @@ class TaskSpec:
     #: `ScopedTensor.step_scale`); the first matching pair wins, unmatched tensors keep 1.0.
     #: Lets one plan lr move a head and a far more sensitive body tensor at once.
     step_scales: tuple[tuple[str, float], ...] = ()
+    #: What the loss is (`seedfed.shared.protocol.objective`): a seq_cls task's head, or a
+    #: causal LM's label words or next-token modelling (its kind None: the model kind's
+    #: default). Stored only when it differs from that default, so a device of a release that
+    #: predates the field reads every spec that does not use it.
+    objective: Objective = field(default_factory=Objective)
     spec_version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -204,6 +210,11 @@ class TaskSpec:
             raise ValueError(f"model_kind must be causal_lm or seq_cls, got {self.model_kind!r}")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        objective = self.objective
+        if isinstance(objective, dict):  # the JSON form
+            objective = Objective(**{**objective, "words": tuple(objective.get("words", ()))})
+        object.__setattr__(self, "objective", objective.resolved(self.model_kind,
+                                                                 self.num_labels))
         if self.model_kind == "seq_cls" and self.num_labels < 2:
             raise ValueError(f"num_labels must be >= 2, got {self.num_labels}")
         if self.label_texts and len(self.label_texts) != self.num_labels:
@@ -275,6 +286,10 @@ class TaskSpec:
         d = {**asdict(self), "scope_options": self.scope_options.to_dict()}
         if self.aggregation.max_weight_ratio == DEFAULT_MAX_WEIGHT_RATIO:
             del d["aggregation"]["max_weight_ratio"]
+        if self.objective == Objective(default_kind(self.model_kind)):  # type: ignore[arg-type]
+            del d["objective"]
+        else:
+            d["objective"] = self.objective.to_dict()
         return d
 
     @classmethod
@@ -303,6 +318,8 @@ class TaskSpec:
         # 2 -> 3: no step scales (every c_t = 1, the same bits as before). 3 -> 4: no lr
         # schedule (Hyper's defaults: a constant lr, the same plans as before).
         d["step_scales"] = _step_scales(d.get("step_scales", ()))
+        # Without `objective`: the model kind's default (a causal LM's next-token loss, which
+        # is what a ternary causal LM trained before objectives were named).
         return cls(**d)
 
 

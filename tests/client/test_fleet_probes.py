@@ -9,9 +9,9 @@ import pytest
 import torch
 from seedfed.client.fleet_probes import HeadFleet, copies_of, head_features
 from seedfed.client.probes import ProbeEngine, engine_step, stacked_copies
-from seedfed.client.trainer import classification_loss, classification_losses
 from seedfed.shared.model.classifier import MeanPoolClassifier, prime_features
 from seedfed.shared.model.estimator import ZOConfig, spsa_step
+from seedfed.shared.model.objectives import classification_loss, classification_losses
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.model.scopes import Scope, build_scope
 from seedfed.shared.protocol.errors import ScopeError

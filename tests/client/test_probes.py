@@ -11,15 +11,15 @@ import pytest
 import torch
 from seedfed.client import probes
 from seedfed.client.probes import ProbeEngine, engine_step, repeat_batch, step_probes
-from seedfed.client.trainer import (
+from seedfed.shared.model.classifier import MeanPoolClassifier
+from seedfed.shared.model.estimator import ZOConfig, spsa_step
+from seedfed.shared.model.lora import apply_lora
+from seedfed.shared.model.objectives import (
     causal_lm_loss,
     causal_lm_losses,
     classification_loss,
     classification_losses,
 )
-from seedfed.shared.model.classifier import MeanPoolClassifier
-from seedfed.shared.model.estimator import ZOConfig, spsa_step
-from seedfed.shared.model.lora import apply_lora
 from seedfed.shared.model.probe_check import ACTIVATION_FACTOR
 from seedfed.shared.model.quant.model import QuantConfig, quantize_model
 from seedfed.shared.model.replay import checksum

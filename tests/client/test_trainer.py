@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 from seedfed.client import trainer as trainer_mod
-from seedfed.client.trainer import LocalTrainer, causal_lm_loss, classification_loss
+from seedfed.client.trainer import LocalTrainer
+from seedfed.shared.model.objectives import causal_lm_loss, classification_loss
 from seedfed.shared.model.replay import checksum
 from seedfed.shared.model.scopes import build_scope
 from seedfed.shared.protocol.wire import RoundPlan
@@ -84,7 +85,7 @@ def test_trainer_refuses_unknown_probe_modes_and_batching_without_a_copy_loss():
 
 def test_copy_losses_equal_the_loss_of_each_copy():
     from seedfed.client.probes import repeat_batch
-    from seedfed.client.trainer import causal_lm_losses
+    from seedfed.shared.model.objectives import causal_lm_losses
 
     model = tiny_llama()
     batch = next(_lm_batches(1))

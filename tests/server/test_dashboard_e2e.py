@@ -16,10 +16,11 @@ import httpx
 import pytest
 import torch
 from playwright.sync_api import expect
-from seedfed.client.trainer import LocalTrainer, classification_loss
+from seedfed.client.trainer import LocalTrainer
 from seedfed.server.app import create_app
 from seedfed.server.settings import Settings
 from seedfed.shared.model.factory import build_model
+from seedfed.shared.model.objectives import classification_loss
 from seedfed.shared.model.replay import checksum, replay
 from seedfed.shared.protocol.wire import DeviceMetrics, LogEntryWire, RoundPlan, Upload
 

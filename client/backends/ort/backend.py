@@ -1,18 +1,23 @@
 """The ONNX Runtime backend: sync, ZO probes and scoring with numpy, no torch.
 
-`OrtBackend` runs an fp32 head-scope task on its exported bundle (`bundle`, `runtime`) behind
+`OrtBackend` runs an fp32 task on its exported bundle (`bundle`, `runtime`) behind
 `client.backends.base.Backend`, with the same rules as the torch backend, so the coordinator
-cannot tell the two apart:
+cannot tell the two apart. The bundle is a sentence encoder's head (`OrtModel`) or a causal
+LM's LoRA adapters (`OrtLM`); either way the trainable tensors are named float32 arrays here
+and graph inputs there:
 
 - replay the log entries (`shared.protocol.npzo.np_replay`, the bits of `shared.model.replay`)
   or load a snapshot (safetensors of flat float32 tensors), checksum verified;
 - train: the batches `client.data.batch_indices` draws from the same generator
-  ([data seed, partition, round]), every probe of a step on the step's batch, probes
+  ([data seed, partition, round]), every probe of a step on the step's batch (a causal LM's:
+  the token ids `client.objective_batches` gives the torch device), probes
   theta + scale c_t z(seed) built from the shared stream (`shared.protocol.philox`; c_t the
   task's per-tensor step scale, `TaskSpec.step_scales`, 1 unless it names the tensor), C probes
-  per `top.onnx` run, the scalar rule and the local update of `npzo`; the state is back at the
-  plan's version afterwards;
-- evaluate: accuracy and mean loss on a local held-out set.
+  per `top.onnx` / `lm.onnx` run, the scalar rule and the local update of `npzo`; the state is
+  back at the plan's version afterwards;
+- evaluate: accuracy and mean loss on a local held-out set, as the torch device's
+  `local_accuracy` defines them for the objective (a next-token LM: next-word top-1 accuracy
+  and the mean loss per token).
 
 No personal part: `personal_part` answers None.
 """
@@ -37,7 +42,7 @@ from seedfed.client.backends.base import (
     Trained,
 )
 from seedfed.client.backends.ort.bundle import BundleError
-from seedfed.client.backends.ort.runtime import OrtModel, example_losses, mean_losses
+from seedfed.client.backends.ort.runtime import OrtLM, OrtModel, example_losses, mean_losses
 from seedfed.client.device_data import DeviceData
 from seedfed.shared.protocol import npzo
 from seedfed.shared.protocol.errors import (
@@ -57,7 +62,7 @@ if TYPE_CHECKING:
 EVAL_BATCH = 32
 
 
-def read_state(data: bytes, model: OrtModel) -> npzo.NpState:
+def read_state(data: bytes, model: OrtModel | OrtLM) -> npzo.NpState:
     """A snapshot's tensors as a numpy state, checked against the bundle's tensors."""
     try:
         raw = load_safetensors(data)
@@ -80,7 +85,7 @@ class OrtBackend:
 
     snapshot_format = FP32
 
-    def __init__(self, spec: TaskSpec, model: OrtModel) -> None:
+    def __init__(self, spec: TaskSpec, model: OrtModel | OrtLM) -> None:
         model.manifest.check_spec(spec)
         names = [t.name for t in model.manifest.tensors]
         bad = npzo.unmatched_step_scales(spec.step_scales, names)
@@ -162,14 +167,19 @@ class OrtBackend:
         return None
 
     # -- a round -----------------------------------------------------------------------------
-    def copies_per_run(self, probes: int, batch: int) -> int:
-        """Probes stacked per top.onnx run: the task's `probe_copies`, else as many as fit
-        `probe_memory_mb` (the stacked tensors and their logits), at most the step's."""
+    def copies_per_run(self, probes: int, batch: int, seq: int = 1) -> int:
+        """Probes stacked per graph run: the task's `probe_copies`, else as many as fit
+        `probe_memory_mb`, at most the step's. Per copy: the stacked tensors and the head's
+        logits; a causal LM's copy also holds its T x V logits and log-probabilities and a
+        few H-wide states per token (an estimate: the scalars do not depend on it)."""
         hyper = self.spec.hyper
         if hyper.probe_copies is not None:
             return max(1, min(probes, hyper.probe_copies))
-        per_copy = 4 * (sum(t.numel for t in self.model.manifest.tensors)
-                        + batch * (self.model.manifest.hidden_size + self.spec.num_labels))
+        manifest = self.model.manifest
+        per_token = manifest.hidden_size + self.spec.num_labels
+        if manifest.lm is not None:
+            per_token = 2 * manifest.lm.vocab_size + 8 * manifest.hidden_size
+        per_copy = 4 * (sum(t.numel for t in manifest.tensors) + batch * seq * per_token)
         fits = int(hyper.probe_memory_mb * 2**20) // max(per_copy, 1)
         return max(1, min(probes, fits))
 
@@ -186,14 +196,25 @@ class OrtBackend:
     def probe_losses(self, theta: npzo.NpState, texts: Sequence[str], labels: np.ndarray,
                      probes: Sequence[npzo.Probe]) -> tuple[list[float], int]:
         """L(theta + scale z(seed)) of each probe on one batch, in order; and the runs."""
-        feats = self.model.features(texts)
-        n = self.copies_per_run(len(probes), len(texts))
+        model = self.model
+        if isinstance(model, OrtLM):
+            batch = model.batch(texts, labels)
+            n = self.copies_per_run(len(probes), len(texts), batch["input_ids"].shape[1])
+
+            def losses(stacked: npzo.NpState) -> np.ndarray:
+                return model.run(batch, stacked)["losses"]
+        else:
+            feats = model.features(texts)
+            n = self.copies_per_run(len(probes), len(texts))
+
+            def losses(stacked: npzo.NpState) -> np.ndarray:
+                return mean_losses(model.logits(feats, stacked), labels)
         out: list[float] = []
         runs = 0
         for start in range(0, len(probes), n):
             group = [self._probe_state(theta, p) for p in probes[start:start + n]]
-            stacked = {k: np.stack([g[k] for g in group]) for k in theta}
-            out += [float(v) for v in mean_losses(self.model.logits(feats, stacked), labels)]
+            out += [float(v) for v in losses({k: np.stack([g[k] for g in group])
+                                              for k in theta})]
             runs += 1
         return out, runs
 
@@ -226,7 +247,44 @@ class OrtBackend:
         """(accuracy, mean loss) of the state it holds on labelled examples; (0, 0) for none."""
         if self.state is None:
             raise DeviceStateError("the device holds no state to score")
+        if isinstance(self.model, OrtLM):
+            return score_lm(self.model, self.state, examples)
         return score_state(self.model, self.state, examples)
+
+
+def score_lm(model: OrtLM, state: npzo.NpState, examples: data_mod.Examples,
+             ) -> tuple[float, float]:
+    """`local_accuracy` of a causal LM's LoRA state on its bundle: label words, accuracy of
+    the class prediction and mean cross-entropy per example; next token, next-word top-1
+    accuracy (at word-start targets) and mean loss per token. (0, 0) for no examples."""
+    if len(examples) == 0:
+        return 0.0, 0.0
+    stacked = {k: v[None] for k, v in state.items()}
+    starts = model.lm.starts() if model.objective == "next_token" else None
+    correct = scored = tokens = 0
+    loss_sum = 0.0
+    for start in range(0, len(examples), EVAL_BATCH):
+        texts = examples.texts[start:start + EVAL_BATCH]
+        labels = examples.labels[start:start + EVAL_BATCH]
+        batch = model.batch(texts, labels)
+        out = model.run(batch, stacked)
+        if starts is None:
+            logits = out["logits"]
+            loss_sum += float(example_losses(logits, labels)[0].sum(dtype=np.float32))
+            correct += int((logits[0].argmax(axis=-1) == labels).sum())
+            scored += len(texts)
+            continue
+        target = batch["labels"][:, 1:]
+        keep = target != -100
+        safe = np.maximum(target, 0)
+        word = keep & starts[safe]
+        loss_sum += float(out["token_nll"][0].sum(dtype=np.float32))
+        tokens += int(keep.sum())
+        scored += int(word.sum())
+        correct += int(((out["top1"][0] == safe) & word).sum())
+    if starts is None:
+        return correct / scored, loss_sum / scored
+    return (correct / scored if scored else 0.0), (loss_sum / tokens if tokens else 0.0)
 
 
 def score_state(model: OrtModel, state: npzo.NpState, examples: data_mod.Examples,

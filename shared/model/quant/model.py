@@ -62,6 +62,29 @@ def quantizable_layers(model: nn.Module, config: QuantConfig) -> list[tuple[str,
             if type(m) is nn.Linear and not config.skips(n)]
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2's projections): a Linear whose weight is stored (in, out)."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and \
+        isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def linears_from_conv1d(model: nn.Module, config: QuantConfig) -> None:
+    """Replace every unskipped `Conv1D` by the nn.Linear it is (weight transposed, same bias),
+    so GPT-2's projections quantize like any Linear layer. Applied before quantization on both
+    sides, from the same float weights: the quantized model is the same everywhere."""
+    for name, module in list(model.named_modules()):
+        if not _is_conv1d(module) or config.skips(name) or module.weight.is_meta:
+            continue
+        n_in, n_out = module.weight.shape
+        linear = nn.Linear(n_in, n_out, bias=module.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(module.weight.t())
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        _set_submodule(model, name, linear)
+
+
 def quantize_model(model: nn.Module, config: QuantConfig,
                    materialize: Materialize | None = None) -> nn.Module:
     """Replace the model's Linear layers by QuantLinear in place (and return the model).
@@ -70,6 +93,7 @@ def quantize_model(model: nn.Module, config: QuantConfig,
     touching any layer) when a width is not a multiple of the group size and padding is off.
     A meta-device Linear needs `materialize(name, linear)` to supply its float weight.
     """
+    linears_from_conv1d(model, config)
     layers = quantizable_layers(model, config)
     if not layers:
         raise NoQuantizableLayersError(

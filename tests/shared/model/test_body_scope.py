@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from seedfed.client.probes import ProbeEngine, engine_step
-from seedfed.client.trainer import classification_loss, classification_losses
 from seedfed.shared.model.estimator import ZOConfig, spsa_step
 from seedfed.shared.model.factory import build_model
+from seedfed.shared.model.objectives import classification_loss, classification_losses
 from seedfed.shared.model.quant.model import QuantLinear
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.protocol.task import Hyper, LoraOptions, TaskSpec

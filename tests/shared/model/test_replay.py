@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from seedfed.client.trainer import LocalTrainer, causal_lm_loss
+from seedfed.client.trainer import LocalTrainer
+from seedfed.shared.model.objectives import causal_lm_loss
 from seedfed.shared.model.replay import apply_seeds, checksum, replay
 from seedfed.shared.model.scopes import Scope, ScopedTensor, build_scope
 from seedfed.shared.protocol.aggregate import build_entry

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from seedfed.client.probes import ProbeEngine, engine_step
-from seedfed.client.trainer import causal_lm_loss, causal_lm_losses
 from seedfed.shared.model.estimator import ZOConfig, spsa_step
 from seedfed.shared.model.lora import apply_lora
+from seedfed.shared.model.objectives import causal_lm_loss, causal_lm_losses
 from seedfed.shared.model.perturb import Perturber, perturbed_copy
 from seedfed.shared.model.replay import apply_seeds, checksum
 from seedfed.shared.model.scopes import Scope, build_scope

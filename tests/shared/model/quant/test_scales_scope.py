@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from seedfed.client.trainer import LocalTrainer, causal_lm_loss
+from seedfed.client.trainer import LocalTrainer
+from seedfed.shared.model.objectives import causal_lm_loss
 from seedfed.shared.model.quant import (
     DEFAULT_DDC_CLIP,
     QuantConfig,

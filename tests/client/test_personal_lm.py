@@ -1,0 +1,110 @@
+"""A language-model device's personal vocabulary bias: exact forward-only training, the
+evidence check, its stored state, and scores against the shared model and the local bigram."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from seedfed.client.data import Examples
+from seedfed.client.personal import PersonalConfig
+from seedfed.client.personal_lm import LMPersonalPart
+from seedfed.shared.model.factory import build_model
+from seedfed.shared.protocol.task import TaskSpec
+
+from tests.fleet_helpers import write_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory: pytest.TempPathFactory) -> TaskSpec:
+    model = write_tiny_llama(tmp_path_factory.mktemp("lm") / "model", tokenizer=True)
+    return TaskSpec(model_path=str(model), model_kind="causal_lm", scope="full", max_seq_len=24)
+
+
+def _owner_text(n: int, seed: int = 0) -> Examples:
+    """An owner who writes a few words over and over (what a bias can learn)."""
+    rng = np.random.default_rng(seed)
+    words = ["zebra", "quiz", "jazz", "fizz"]
+    texts = tuple(" ".join(rng.choice(words, size=3)) for _ in range(n))
+    return Examples(texts, np.zeros(n, dtype=np.int64))
+
+
+def _part(spec: TaskSpec, task: str = "t1", **config: float) -> LMPersonalPart:
+    bundle = build_model(spec, initialize=True)
+    cfg = PersonalConfig(**{"steps": 8, "lr": 0.1, "batch_size": 16, **config})
+    return LMPersonalPart(cfg, bundle, task)
+
+
+def test_the_gradient_is_the_exact_one_of_the_biased_cross_entropy(spec: TaskSpec) -> None:
+    # Arrange
+    part = _part(spec, decay=0.0)
+    logits = torch.randn(4, part.vocab, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([3, 4, -100, 6])
+    keep = labels != -100
+    b = torch.zeros(part.vocab, requires_grad=True)
+    torch.nn.functional.cross_entropy(logits[keep] + b, labels[keep]).backward()
+    # Act: Adam's first step from zero moves each entry by lr against its gradient's sign
+    part._step(logits, labels)
+    # Assert
+    assert b.grad is not None
+    moved = b.grad.abs() > 1e-7
+    assert torch.equal(torch.sign(part.bias[moved]), -torch.sign(b.grad[moved]))
+    assert torch.allclose(part.bias[moved].abs(), torch.full_like(part.bias[moved], 0.1),
+                          atol=1e-4)
+
+
+def test_the_bias_learns_the_owners_words_and_beats_the_shared_model(spec: TaskSpec) -> None:
+    # Arrange
+    part = _part(spec)
+    train, held = _owner_text(200, seed=1), _owner_text(40, seed=2)
+    # Act
+    for r in range(3):
+        part.train(train, np.random.default_rng(r))
+    scores = part.scores(held)
+    # Assert
+    assert scores is not None and scores.local is not None
+    assert part.active
+    assert scores.personal.perplexity < scores.shared.perplexity
+    assert scores.personal.top3_accuracy > scores.shared.top3_accuracy
+    assert scores.local.top3_accuracy > scores.shared.top3_accuracy
+
+
+def test_a_bias_that_does_not_help_on_held_back_text_is_not_applied(spec: TaskSpec) -> None:
+    # Arrange: a huge lr makes the bias overshoot and hurt
+    part = _part(spec, lr=50.0, steps=2)
+    train = _owner_text(100, seed=3)
+    # Act
+    part.train(train, np.random.default_rng(0))
+    scores = part.scores(_owner_text(20, seed=4))
+    # Assert: inactive means scored as the shared model
+    assert scores is not None
+    if not part.active:
+        assert scores.personal == scores.shared
+
+
+def test_the_state_round_trips_and_another_tasks_state_is_refused(spec: TaskSpec) -> None:
+    # Arrange
+    part = _part(spec)
+    part.train(_owner_text(60), np.random.default_rng(0))
+    data = part.to_bytes()
+    # Act
+    same, other = _part(spec), _part(spec, task="t2")
+    same.restore(data)
+    other.restore(data)
+    # Assert
+    assert torch.equal(same.bias, part.bias) and same.active == part.active
+    assert other.refused is not None and "another task" in other.refused
+    assert not other.bias.any()
+
+
+def test_a_corrupt_state_is_refused_and_rebuilt(spec: TaskSpec, tmp_path: Path) -> None:
+    # Arrange
+    part = _part(spec)
+    # Act
+    part.restore(b"not a safetensors file")
+    # Assert
+    assert part.refused is not None and part.rounds == 0
