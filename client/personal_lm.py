@@ -46,6 +46,7 @@ from seedfed.client.personal import (
 )
 from seedfed.shared.model.factory import ModelBundle
 from seedfed.shared.model.objectives import NextTokenCounts, next_token_counts, word_starts
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,24 @@ class LMScores:
 class LMPersonalPart:
     """A personal vocabulary bias on a causal LM (module docstring)."""
 
-    def __init__(self, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> None:
-        self.config, self.bundle, self.task_id = config, bundle, task_id
-        model: Any = bundle.model
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
-        self.starts = word_starts(bundle.tokenizer)
-        self.fingerprint = model_fingerprint(bundle)
+    def __init__(self, config: PersonalConfig, model: nn.Module, tokenizer: Any,
+                 max_seq_len: int, task_id: str, fingerprint: str) -> None:
+        """`model`: the device's causal LM as it syncs (its shared version); `fingerprint`:
+        what identifies the frozen model a stored state must have been trained on
+        (`lm_fingerprint`)."""
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.max_seq_len, self.task_id, self.fingerprint = max_seq_len, task_id, fingerprint
+        head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        self.vocab = int(head.weight.shape[0])
+        self.starts = word_starts(tokenizer)
         self.refused: str | None = None
         self.reset()
+
+    @classmethod
+    def of(cls, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> LMPersonalPart:
+        """The personal part of an fp32 (or int8/int4) causal LM's bundle."""
+        return cls(config, bundle.model, bundle.tokenizer, bundle.spec.max_seq_len, task_id,
+                   model_fingerprint(bundle))
 
     # -- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -173,10 +184,9 @@ class LMPersonalPart:
         """The shared model's next-token logits (float32, shifted: position t predicts t+1)
         and their targets."""
         parts, targets = [], []
-        for raw in data_mod.eval_batches(examples, self.bundle.tokenizer, BATCH,
-                                         self.bundle.spec.max_seq_len):
-            batch = on_model_device(data_mod.lm_targets(raw), self.bundle.model)
-            out = self.bundle.model(input_ids=batch["input_ids"],
+        for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
+            batch = on_model_device(data_mod.lm_targets(raw), self.model)
+            out = self.model(input_ids=batch["input_ids"],
                                     attention_mask=batch.get("attention_mask")).logits
             parts.append(out[:, :-1].float().cpu().reshape(-1, self.vocab))
             targets.append(batch["labels"][:, 1:].cpu().reshape(-1))
@@ -194,8 +204,7 @@ class LMPersonalPart:
 
     def _ids(self, examples: data_mod.Examples) -> list[list[int]]:
         out = []
-        for raw in data_mod.eval_batches(examples, self.bundle.tokenizer, BATCH,
-                                         self.bundle.spec.max_seq_len):
+        for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
             for ids, mask in zip(raw["input_ids"], raw["attention_mask"], strict=True):
                 out.append(ids[mask.bool()].tolist())
         return out
@@ -210,10 +219,9 @@ class LMPersonalPart:
         shared, personal = NextTokenCounts(), NextTokenCounts()
         local = NextTokenCounts() if self._bigram is not None else None
         bias = self.bias if self.active else torch.zeros(self.vocab)
-        for raw in data_mod.eval_batches(examples, self.bundle.tokenizer, BATCH,
-                                         self.bundle.spec.max_seq_len):
-            batch = on_model_device(data_mod.lm_targets(raw), self.bundle.model)
-            logits = self.bundle.model(input_ids=batch["input_ids"],
+        for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
+            batch = on_model_device(data_mod.lm_targets(raw), self.model)
+            logits = self.model(input_ids=batch["input_ids"],
                                        attention_mask=batch.get("attention_mask")).logits
             logits, labels = logits.float().cpu(), batch["labels"].cpu()
             shared.add(next_token_counts(logits, labels, self.starts))
@@ -231,6 +239,20 @@ class LMPersonalPart:
         return PersonalScores(s.shared.top3_accuracy, s.personal.top3_accuracy,
                               None if s.local is None else s.local.top3_accuracy,
                               len(examples))
+
+
+def lm_fingerprint(model: nn.Module, spec_text: str) -> str:
+    """A packed ternary LM's identity for its personal state: the task's model description
+    and the exact bytes of its LM head (never ternarized, never trained: `HEAD_NAMES`), known
+    from construction, before any snapshot fills the BitLinear layers."""
+    import hashlib
+
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    weight = head.weight.detach().contiguous().cpu()
+    digest = hashlib.sha256(spec_text.encode())
+    digest.update(f"{weight.dtype}|{list(weight.shape)}|".encode())
+    digest.update(weight.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def _split(examples: data_mod.Examples, task_id: str) -> tuple[data_mod.Examples,

@@ -640,6 +640,9 @@ def ternarize(
     model_kind: str = typer.Option("seq_cls", "--model-kind", help="seq_cls: distil --model; "
                                    "causal_lm: build a small Llama (tokenizer, fp32 pretraining "
                                    "on the sentences, distillation into BitLinear; no --model)"),
+    teacher: str = typer.Option(None, "--teacher", help="causal_lm: a `seedfed lm-base` "
+                                "directory made from the same --data; its tokenizer and fp32 "
+                                "model are the teacher (pretraining is not run again)"),
 ) -> None:
     """Distil an fp32 encoder into a ternary (BitNet b1.58) base: progress bar, wall time, and
     zero-shot / linear-probe accuracy next to the fp32 model's (`--model-kind causal_lm`: a
@@ -661,9 +664,21 @@ def ternarize(
             raise OptionError("--model", "--model-kind causal_lm builds its model: no --model")
         causal = {"sentences": sentences, "max_len": max_len, "pretrain_epochs": epochs,
                   "distill_epochs": epochs, "distill_lr": lr}
-        run_causal_with_progress(Path(data), Path(out), _config(CausalLMConfig, causal),
-                                 force=force)
+        config = _config(CausalLMConfig, causal)
+        if teacher is not None:
+            from seedfed.lm_base import read_lm_meta
+
+            meta = read_lm_meta(Path(teacher))
+            if meta is None:
+                raise OptionError("--teacher", f"no `seedfed lm-base` directory at {teacher}",
+                                  "make one with `seedfed lm-base --data DATA --out DIR`")
+            config = _config(CausalLMConfig, {**meta["config"], **{
+                k: v for k, v in causal.items() if k.startswith("distill") and v is not None}})
+        run_causal_with_progress(Path(data), Path(out), config, force=force,
+                                 teacher_dir=None if teacher is None else Path(teacher))
         return
+    if teacher is not None:
+        raise OptionError("--teacher", "applies to --model-kind causal_lm only")
     if model_kind != "seq_cls":
         raise OptionError("--model-kind", f"must be seq_cls or causal_lm, not {model_kind!r}")
     if model is not None and not Path(model).is_dir():

@@ -609,6 +609,11 @@ def ternarize_causal(data: Path, out: Path, config: CausalLMConfig,
     return meta
 
 
+#: The settings of `CausalLMConfig` that make the fp32 teacher (the others: the distillation).
+_PRETRAIN_FIELDS = ("vocab", "hidden", "layers", "heads", "intermediate", "sentences", "max_len",
+                    "batch_size", "pretrain_epochs", "pretrain_lr", "weight_decay", "seed")
+
+
 def _pretrained_teacher(data: Path, teacher_dir: Path, config: CausalLMConfig,
                         ) -> tuple[Any, nn.Module]:
     """The tokenizer and frozen fp32 model of a `seedfed lm-base` directory, checked to be
@@ -617,7 +622,9 @@ def _pretrained_teacher(data: Path, teacher_dir: Path, config: CausalLMConfig,
     from seedfed.shared.protocol.task import TaskSpec
 
     meta = json.loads((teacher_dir / "lm_base.json").read_text(encoding="utf-8"))
-    if meta.get("key") != causal_settings_key(data, config):
+    made = CausalLMConfig(**meta.get("config", {}))
+    if meta.get("key") != causal_settings_key(data, made) or any(
+            getattr(made, f) != getattr(config, f) for f in _PRETRAIN_FIELDS):
         raise ValueError(f"{teacher_dir} was pretrained with other data or settings than "
                          "these; make it with `seedfed lm-base` on the same data")
     model, tokenizer = load_base(TaskSpec(model_path=str(teacher_dir), model_kind="causal_lm"))
@@ -636,7 +643,8 @@ def ensure_causal_base(data: Path, out: Path, config: CausalLMConfig,
 
 
 def run_causal_with_progress(data: Path, out: Path, config: CausalLMConfig,
-                             force: bool = False) -> dict[str, Any]:
+                             force: bool = False, teacher_dir: Path | None = None,
+                             ) -> dict[str, Any]:
     """`ensure_causal_base` (or `ternarize_causal` with `force`) with a progress bar and a
     perplexity table."""
     from rich.console import Console
@@ -653,7 +661,7 @@ def run_causal_with_progress(data: Path, out: Path, config: CausalLMConfig,
             progress.update(bar, completed=step, total=total, loss=f"{loss:.4f}", phase=phase)
 
         fn = ternarize_causal if force else ensure_causal_base
-        meta = fn(data, out, config, on_step)
+        meta = fn(data, out, config, on_step, teacher_dir)
     table = Table(title=f"causal-LM base {out} ({meta['scored_on']})")
     table.add_column("model")
     table.add_column("perplexity", justify="right")

@@ -98,7 +98,7 @@ class BackendConfig:
 
     kind: str = field(default="torch", metadata={
         "help": "torch (PyTorch eager, every scope) or ort (ONNX Runtime + numpy, no torch: "
-                "a head-scope fp32 task's exported bundle)"})
+                "the exported bundle of an fp32 task: a classifier's head, or a causal LM's LoRA)"})
     model: str | None = field(default=None, metadata={
         "help": "torch: this device's copy of the base model (None: the task's model_path); "
                 "ort: the task's bundle directory (`seedfed ort-export`), required"})

@@ -15,6 +15,7 @@ bytes, copied to the host. A ternary task's packed kernels run on the CPU only.
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -33,7 +34,7 @@ from seedfed.client.backends.base import (
 from seedfed.client.device_data import DeviceData, local_accuracy
 from seedfed.client.objective_batches import endless_batches
 from seedfed.client.personal import PersonalConfig, PersonalPart
-from seedfed.client.personal_lm import LMPersonalPart
+from seedfed.client.personal_lm import LMPersonalPart, lm_fingerprint
 from seedfed.client.sync import catch_up, load_state, state_bytes
 from seedfed.client.ternary import PackedTernary, is_ternary
 from seedfed.client.trainer import Batch, LocalTrainer
@@ -260,11 +261,17 @@ class TorchBackend:
     def personal_part(self, config: PersonalConfig, task_id: str,
                       ) -> PersonalPart | LMPersonalPart | None:
         """A classifier's personal head (`client.personal`), or a next-token LM's personal
-        vocabulary bias (`client.personal_lm`). A ternary task and a label-words LM have none."""
-        if not isinstance(self.model, Fp32Model):
-            return None
+        vocabulary bias (`client.personal_lm`; on a packed ternary LM too). A ternary
+        classifier and a label-words LM have none."""
         if self.spec.objective.kind == "next_token":
-            return LMPersonalPart(config, self.model.bundle, task_id)
-        if self.spec.model_kind == "causal_lm":
+            if isinstance(self.model, Fp32Model):
+                return LMPersonalPart.of(config, self.model.bundle, task_id)
+            packed = self.model
+            return LMPersonalPart(config, packed.model, packed.tokenizer,
+                                  self.spec.max_seq_len, task_id,
+                                  lm_fingerprint(packed.model, json.dumps(
+                                      {"model_kind": self.spec.model_kind,
+                                       "format": self.spec.format}, sort_keys=True)))
+        if not isinstance(self.model, Fp32Model) or self.spec.model_kind == "causal_lm":
             return None
         return PersonalPart(config, self.model.bundle, task_id)

@@ -36,6 +36,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "fp32-lora": ("fp32", "lora"),
     "int4-lora": ("int4", "lora"),
     "int4-scales": ("int4", "scales"),
+    "ternary": ("ternary", "ternary"),
 }
 
 
@@ -71,10 +72,14 @@ def run_format(name: str, base: Path, trains: list[Any], helds: list[Any], args:
     from seedfed.shared.protocol.wire import Upload
 
     fmt, scope = FORMATS[name]
-    given = {"spec.format": fmt, "hyper.lr": args.lr, "hyper.eps": args.eps,
-             "hyper.perturbations": args.perturbations}
+    given: dict[str, Any] = {"spec.format": fmt}
+    given.update({f"hyper.{k}": getattr(args, k) for k in ("lr", "eps", "perturbations")
+                  if getattr(args, k) is not None})
+    if scope == "ternary":  # the recipe's TerMeZO settings (`recipes.LM_TERNARY_OPTIONS`)
+        given = {"spec.format": fmt} | ({"hyper.lr": args.ternary_lr}
+                                        if args.ternary_lr is not None else {})
     spec = resolve_recipe("lm-keyboard", given, model=str(base),
-                          scope=None if scope == "lora" else scope).spec
+                          scope=scope if scope == "scales" else None).spec
     personal = PersonalConfig(method="residual", steps=args.personal_steps, lr=args.personal_lr,
                               decay=args.personal_decay, batch_size=32)
     work = Path(tempfile.mkdtemp(prefix=f"lm-keyboard-{name}-"))
@@ -92,7 +97,8 @@ def run_format(name: str, base: Path, trains: list[Any], helds: list[Any], args:
         upload_bytes = 0
 
         def shared_ppl() -> float:
-            return next_token_scores(devices[0].backend.bundle, pooled).perplexity  # type: ignore[attr-defined]
+            backend: Any = devices[0].backend
+            return next_token_scores(backend.bundle, pooled).perplexity
 
         for rnd in range(1, args.rounds + 1):
             plan = coord.open_round(task)
@@ -130,7 +136,8 @@ def run_format(name: str, base: Path, trains: list[Any], helds: list[Any], args:
 def _sync(coord: Any, task: str, dev: Any, version: int) -> None:
     since = dev.version
     entries = [] if since is None else [e.to_entry() for e in coord.log_since(task, since)]
-    dev.sync(version, entries=entries, fetch=lambda: coord.snapshot(task, version, None))
+    fmt = None if dev.snapshot_format == "fp32" else dev.snapshot_format
+    dev.sync(version, entries=entries, fetch=lambda: coord.snapshot(task, version, fmt))
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="SST-2's train.tsv (labelled sentences)")
     p.add_argument("--base", default="runs/lm-base", help="the pretrained base directory "
                    "(made by `seedfed lm-base` if missing)")
+    p.add_argument("--ternary-base", default="runs/lm-ternary", help="its ternary twin "
+                   "(distilled from it by `seedfed ternarize --model-kind causal_lm --teacher "
+                   "BASE` if missing)")
+    p.add_argument("--ternary-lr", type=float, default=None,
+                   help="the ternary run's lr (default: the recipe's TerMeZO lr)")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: "
                    + ", ".join(FORMATS))
     p.add_argument("--devices", type=positive_int, default=20)
@@ -159,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=positive_int, default=200, help="sentences per device")
     p.add_argument("--held", type=positive_int, default=50, help="held-out sentences per "
                    "device and split")
-    p.add_argument("--perturbations", type=positive_int, default=8)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--eps", type=float, default=1e-2)
-    p.add_argument("--personal-steps", type=positive_int, default=8)
+    p.add_argument("--perturbations", type=positive_int, default=None,
+                   help="seeds a step (default: the lm-keyboard recipe's)")
+    p.add_argument("--lr", type=float, default=None, help="default: the recipe's")
+    p.add_argument("--eps", type=float, default=None, help="default: the recipe's")
+    p.add_argument("--personal-steps", type=positive_int, default=16)
     p.add_argument("--personal-lr", type=float, default=0.05)
     p.add_argument("--personal-decay", type=float, default=1e-3)
     p.add_argument("--eval-every", type=positive_int, default=5)
@@ -186,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.formats.split(","):
         if name not in FORMATS:
             p.error(f"--formats: no format {name!r}; formats: {', '.join(FORMATS)}")
-        run = run_format(name, Path(args.base), trains, helds, args)
+        base = Path(args.base)
+        if FORMATS[name][1] == "ternary":
+            from seedfed.ternarize import ensure_causal_base
+
+            base = Path(args.ternary_base)
+            ensure_causal_base(args.data, base, DEMO_CONFIG, teacher_dir=Path(args.base))
+        run = run_format(name, base, trains, helds, args)
         result["runs"].append(run)
         s = run["summary"]
         print(f"{name}: top-3 shared {s['shared_top3']:.4f} personal {s['personal_top3']:.4f} "

@@ -187,6 +187,11 @@ LM_LORA = LoraOptions(r=8, alpha=16)
 LM_LABELS_HYPER = Hyper(lr=1e-2, eps=1e-2, steps=1, perturbations=16, batch_size=16)
 LM_KEYBOARD_HYPER = Hyper(lr=0.3, eps=1e-3, steps=1, perturbations=16, batch_size=16)
 _LM_FLEET = Fleet(rounds=30, devices=20, devices_per_round=20)
+#: A causal LM published ternary trains as TerMeZO does (`seedfed bench ternary_lm`, tuned on
+#: validation there, docs/ternary.md section 5): 1% of the latents nearest gamma / 2, a mask
+#: epoch every 5 rounds, lr 0.3, eps 5e-3; an LM recipe run with `--format ternary` takes them.
+LM_TERNARY_OPTIONS = TernaryOptions(selection="threshold", fraction=0.01, epoch_rounds=5)
+LM_TERNARY_LR, LM_TERNARY_EPS = 0.3, 5e-3
 
 
 def _lm(objective: str, hyper: Hyper, max_seq_len: int) -> Mapping[str, Any]:
@@ -386,7 +391,9 @@ def resolve_recipe(name: str, overrides: Mapping[str, Any] | None = None, *,
         defaults = dict(HEAD_OPTIONS) if scope == HEAD else {}
         options = options_for(kind, {**defaults, **scoped})
         if (kind, options) != (spec.scope, spec.scope_options):
+            # the format comes with the scope: `scales` exists on an int8/int4 model only
             spec = replace(spec, scope=kind, scope_options=options, step_scales=(),
+                           format=given.get("spec.format", spec.format),
                            hyper=replace(spec.hyper, lr=Hyper().lr, eps=Hyper().eps,
                                          decay_rounds=None))
             fleet = replace(Fleet(), data=fleet.data)
@@ -394,6 +401,13 @@ def resolve_recipe(name: str, overrides: Mapping[str, Any] | None = None, *,
         spec = replace(spec, scope_options=options_for(
             spec.scope, {**spec.scope_options.to_dict(), **scoped}))
     spec = _apply(spec, given)
+    if spec.model_kind == "causal_lm" and spec.format == "ternary" and spec.scope != "ternary" \
+            and scope is None:
+        # a ternary LM trains its latents (TerMeZO), not float adapters over them
+        spec = replace(spec, scope="ternary", scope_options=options_for("ternary", {
+            **LM_TERNARY_OPTIONS.to_dict(), **scoped}), hyper=replace(
+                spec.hyper, lr=given.get("hyper.lr", LM_TERNARY_LR),
+                eps=given.get("hyper.eps", LM_TERNARY_EPS)))
     own = {k.split(".", 1)[1]: v for k, v in given.items()
            if settings is not None and k.startswith(settings + ".")}
     fleet_names = {f.name for f in fields(Fleet)}

@@ -36,7 +36,7 @@ def _owner_text(n: int, seed: int = 0) -> Examples:
 def _part(spec: TaskSpec, task: str = "t1", **config: float) -> LMPersonalPart:
     bundle = build_model(spec, initialize=True)
     cfg = PersonalConfig(**{"steps": 8, "lr": 0.1, "batch_size": 16, **config})
-    return LMPersonalPart(cfg, bundle, task)
+    return LMPersonalPart.of(cfg, bundle, task)
 
 
 def test_the_gradient_is_the_exact_one_of_the_biased_cross_entropy(spec: TaskSpec) -> None:
@@ -108,3 +108,33 @@ def test_a_corrupt_state_is_refused_and_rebuilt(spec: TaskSpec, tmp_path: Path) 
     part.restore(b"not a safetensors file")
     # Assert
     assert part.refused is not None and part.rounds == 0
+
+
+def test_a_packed_ternary_lm_device_keeps_a_personal_bias(tmp_path: Path) -> None:
+    # Arrange: a ternary next-token task, one device holding the packed model
+    from seedfed.client.device import Device, MemoryStore
+    from seedfed.client.device_data import DeviceData, load_device_examples
+    from seedfed.server.coordinator import Coordinator
+    from seedfed.server.settings import Settings
+    from seedfed.shared.protocol.wire import Upload
+
+    from tests.fleet_helpers import ternary_spec, write_sentiment_tsv
+
+    spec = ternary_spec(write_tiny_llama(tmp_path / "llama", tokenizer=True))
+    data = DeviceData(source=str(write_sentiment_tsv(tmp_path / "d.tsv", n=120)))
+    examples = load_device_examples(data)[0]
+    with Coordinator.open(Settings(database_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                   store_dir=tmp_path / "store")) as coord:
+        task = coord.create_task(spec)
+        device = Device(spec, task, MemoryStore(), PersonalConfig(steps=2, batch_size=8))
+        plan = coord.open_round(task)
+        device.sync(plan.version, fetch=lambda: coord.snapshot(task, plan.version, "ternary"))
+        # Act
+        trained = device.train(plan, examples, data)
+        coord.submit(task, coord.enroll(task)[0],
+                     Upload.build(plan, trained.scalars, trained.num_examples, trained.loss))
+        # Assert
+        part = device.personal
+        assert isinstance(part, LMPersonalPart) and part.rounds == 1 and part.bias.any()
+        scores = part.scores(examples.subset(range(10)))
+        assert scores is not None and scores.local is not None
