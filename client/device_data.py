@@ -178,8 +178,9 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
                    batch_size: int = 32) -> tuple[float, float]:
     """(accuracy, mean loss) of the model on labelled examples under the task's objective;
     (0, 0) for none. A classifier and a label-words LM: accuracy of the class prediction and
-    mean cross-entropy per example; a next-token LM: next-word top-1 accuracy and mean
-    next-token loss per token (`next_token_scores` has perplexity and top-3)."""
+    mean cross-entropy per example; a next-token LM: next-word top-3 accuracy (the keyboard
+    metric) and mean next-token loss per token (`next_token_scores` has perplexity and
+    top-1)."""
     import torch
     from seedfed.client.objective_batches import task_batches
     from seedfed.shared.model.objectives import LabelWords, label_word_ids
@@ -189,7 +190,7 @@ def local_accuracy(bundle: ModelBundle, examples: data_mod.Examples,
     spec = bundle.spec
     if spec.objective.kind == "next_token":
         counts = next_token_scores(bundle, examples, batch_size)
-        return counts.top1_accuracy, (counts.nll / counts.tokens if counts.tokens else 0.0)
+        return counts.top3_accuracy, (counts.nll / counts.tokens if counts.tokens else 0.0)
     words = (LabelWords(label_word_ids(bundle.tokenizer, spec.objective))
              if spec.objective.kind == "label_words" else None)
     correct, loss_sum = 0, 0.0

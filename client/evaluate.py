@@ -54,7 +54,7 @@ def predict(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATC
 
 def accuracy(bundle: ModelBundle, examples: Examples, batch_size: int = EVAL_BATCH) -> Score:
     """The version's accuracy under the task's objective: a classifier's and a label-words
-    LM's class accuracy per example; a next-token LM's next-word top-1 accuracy (`correct`:
+    LM's class accuracy per example; a next-token LM's next-word top-3 accuracy (`correct`:
     that share of the examples, rounded)."""
     if len(examples) == 0:
         raise ValueError("cannot score an empty example set")

@@ -40,7 +40,8 @@ BENCHMARKS: dict[str, str] = {
                    "torch device (head, LoRA, full), bit-exact against a plain device",
     "flower_bytes": "bytes a device uploads per round over Flower, next to FedAvg's",
     "ort_device": "the ONNX Runtime device beside the torch device: ms per scalar, RSS, install",
-    "quant_memory": "device peak memory of a ZO step on int8/int4 models vs inference and AdamW",
+    "quant_memory": "device peak memory of a ZO step on int8/int4 models vs inference and AdamW "
+                    "(--model smollm-135m: fp32 full and LoRA, int4 scales, packed ternary)",
     "ternary": "TerMeZO on ternary (BitNet b1.58) models: loss curves by mask, device memory",
     "ternary_fed": "federated TerMeZO on a ternary classifier: which latents to train",
     "ternary_lm": "federated TerMeZO on a ternary causal LM: held-out perplexity",

@@ -45,7 +45,7 @@ from seedfed.simulate.config import (
     simulation_secret,
     task_spec_for,
 )
-from seedfed.simulate.report import Report, RoundRow
+from seedfed.simulate.report import Report, RoundRow, metric_name
 from seedfed.simulate.scoring import Evaluator, RoundScorer
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ def new_report(config: SimulationConfig, spec: TaskSpec, task_id: str,
                           for k_, v in asdict(config).items()},
                   task_id=task_id, scope_numel=scope_numel, scalars_per_device=per_device,
                   fedavg_bytes_per_round=2 * 4 * scope_numel * k,
-                  upload_budget_bytes_per_device=4 * per_device + 256)
+                  upload_budget_bytes_per_device=4 * per_device + 256,
+                  metric=metric_name(str(spec.objective.kind)))
 
 
 def write_tsv(path: Path, examples: Any) -> None:

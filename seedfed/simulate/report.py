@@ -54,6 +54,9 @@ class Report:
     device_checksums: dict[str, str] = field(default_factory=dict)
     wall_seconds: float = 0.0
     devices: list[DeviceRow] = field(default_factory=list)
+    #: what "accuracy" is in this run: a classifier's (and label words') class accuracy, or a
+    #: next-token LM's next-word top-3 accuracy (`metric_name`)
+    metric: str = "held-out accuracy"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -88,7 +91,7 @@ def plot(report: Report, path: Path) -> None:
     _accuracy_and_loss(axes[0], report)
     _upload(axes[1], report)
     if report.devices:
-        plot_devices(axes[2], report.devices)
+        plot_devices(axes[2], report.devices, report.metric)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -101,10 +104,10 @@ def _accuracy_and_loss(ax: Any, report: Report) -> None:
     handles = []
     if acc:
         handles += ax.plot([a for a, _ in acc], [b for _, b in acc], "o-", color="tab:blue",
-                           markersize=4, label="held-out accuracy (shared model)")
+                           markersize=4, label=f"{report.metric} (shared model)")
     ax.set_xlabel("round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("held-out accuracy", color="tab:blue")
+    ax.set_ylabel(report.metric, color="tab:blue")
     losses = [(r.round, r.loss) for r in report.rounds if r.loss is not None]
     if losses:
         twin = ax.twinx()
@@ -153,7 +156,12 @@ def _ratio(ratio: float) -> str:
     return f"1/{1 / ratio:,.0f} x"
 
 
-def plot_devices(ax: Any, devices: list[DeviceRow]) -> None:
+def metric_name(objective: str) -> str:
+    """The name of a run's accuracy for its task's objective."""
+    return "next-word top-3 accuracy" if objective == "next_token" else "held-out accuracy"
+
+
+def plot_devices(ax: Any, devices: list[DeviceRow], metric: str = "held-out accuracy") -> None:
     """Every device's held-out accuracy, ranked by its shared-model accuracy: shared (line),
     shared + personal and local only (points), the fleet means dashed."""
     from matplotlib.ticker import MaxNLocator
@@ -180,6 +188,6 @@ def plot_devices(ax: Any, devices: list[DeviceRow]) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=10))
     ax.set_ylim(0, 1.04)
     ax.set_xlabel(f"device rank by shared-model accuracy ({len(ranked)} devices)")
-    ax.set_ylabel("device held-out accuracy")
+    ax.set_ylabel(f"device {metric}")
     ax.set_title("Per device: shared vs personalized")
     ax.legend(ncols=1, **_BELOW)

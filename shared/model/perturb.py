@@ -10,13 +10,19 @@ Floating-point undo is not exact (x + e - 2e + e != x in general), so a probe ei
   at most one tensor's temporary exists at a time. No persistent extra memory: right for the
   full scope, where a stash would double the model. An nn.Embedding is not swapped at all: a
   forward hook adds scale * z to the rows it looked up (same bits, a batch's rows instead of
-  the vocabulary; a tied LM head still gets the whole perturbed matrix).
+  the vocabulary). A large nn.Linear weight without bias (an LM head, `BLOCKED_BYTES`) is
+  not swapped either: its forward runs in row blocks of the perturbed weight, each built from
+  the step's z words into one reused buffer (`_blocked_forward`), so the largest matrix of a
+  small LM never exists twice. The output equals the swapped copy's to float tolerance (bit for
+  bit where the BLAS computes a block of rows as it computes them in the whole matmul, as
+  here with blocks of 64 rows); probes only feed the device's scalars, never the update or
+  replay, which stay exact.
 `auto` picks `copy` when the scope is under `COPY_FRACTION` of the model's parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -38,6 +44,10 @@ from torch import nn
 Mode = Literal["auto", "copy", "virtual"]
 MODES: tuple[str, ...] = ("auto", "copy", "virtual")
 COPY_FRACTION = 0.05
+#: A virtual probe computes a Linear weight above this size block by block (`_blocked_forward`).
+BLOCKED_BYTES = 32 << 20
+#: The block of perturbed rows it builds at a time.
+BLOCK_BYTES = 8 << 20
 
 
 def resolve_mode(scope: Scope, mode: Mode) -> Literal["copy", "virtual"]:
@@ -171,8 +181,13 @@ def _virtual(scope: Scope, seed: int, scale: float, signs: SignCache | None = No
     originals: dict[int, torch.Tensor] = {}
 
     by_rows: dict[int, ScopedTensor] = {}  # embedding calls perturbed on their output rows
+    # large Linear layers computed in blocks of perturbed rows (their weight never swapped)
+    blocked = {id(m): (m, by_id[id(m.weight)]) for pairs in owners.values() for m, _ in pairs
+               if signs is not None and _blocks_suffice(m, by_id)}
 
     def enter(module: nn.Module, _args: object) -> None:
+        if id(module) in blocked:
+            return
         for attr, p in _owned(module, by_id):
             key = id(p)
             if depth.get(key, 0) == 0 and _rows_suffice(module, attr, by_id[key]):
@@ -184,6 +199,8 @@ def _virtual(scope: Scope, seed: int, scale: float, signs: SignCache | None = No
                 p.data = perturbed_copy(by_id[key], seed, scale, signs)
 
     def leave(module: nn.Module, args: tuple[object, ...], out: object) -> object:
+        if id(module) in blocked:
+            return None
         rows = by_rows.pop(id(module), None)
         for _attr, p in _owned(module, by_id):
             if rows is not None and p is rows.tensor:
@@ -207,14 +224,50 @@ def _virtual(scope: Scope, seed: int, scale: float, signs: SignCache | None = No
     for m in modules.values():
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave, always_call=True))
+    for m, t in blocked.values():
+        assert signs is not None
+        m.forward = _blocked_forward(m, t, signs, seed, scale)  # type: ignore[arg-type]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for m, _t in blocked.values():
+            del m.forward  # the class's forward again
         for t in scope:  # a forward that raised midway must still leave theta untouched
             if id(t.tensor) in originals:
                 t.tensor.data = originals.pop(id(t.tensor))
+
+
+def _blocks_suffice(module: nn.Module, by_id: dict[int, ScopedTensor]) -> bool:
+    """A bias-free nn.Linear whose whole weight is scoped and large, with rows whose elements
+    start on a stream word (64 elements), so a block of rows takes a slice of the words."""
+    if type(module) is not nn.Linear or module.bias is not None:
+        return False
+    t = by_id.get(id(module.weight))
+    return (t is not None and t.indices is None and module.in_features % 64 == 0
+            and 4 * module.weight.numel() > BLOCKED_BYTES and "forward" not in vars(module))
+
+
+def _blocked_forward(module: nn.Linear, t: ScopedTensor, signs: SignCache, seed: int,
+                     scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's forward on theta + scale * z, computed in blocks of output rows."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight.detach()
+        words = signs.get(t, seed)
+        s = float(np.float32(t.scaled(scale)))
+        n_out, n_in = weight.shape
+        rows = max(64, BLOCK_BYTES // (4 * n_in) // 64 * 64)
+        out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+        block = torch.empty(rows, n_in, dtype=weight.dtype, device=weight.device)
+        for r0 in range(0, n_out, rows):
+            r1 = min(n_out, r0 + rows)
+            b = block[:r1 - r0]
+            add_words(b.view(-1), weight[r0:r1].reshape(-1),
+                      words[r0 * n_in // 64: -(-r1 * n_in // 64)], s)
+            out[..., r0:r1] = nn.functional.linear(x, b)
+        return out
+    return forward
 
 
 def _rows_suffice(module: nn.Module, attr: str, t: ScopedTensor) -> bool:
