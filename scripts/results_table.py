@@ -186,6 +186,64 @@ def _fleet_steps(r: dict[str, Results]) -> str:
             f"{'every device bit-exact with a lone device' if exact else 'NOT bit-exact'}")
 
 
+def _lm_memory(r: dict[str, Results]) -> str:
+    parts = []
+    for point in _get(r["lm_memory"], "points"):
+        t = point["targets"]
+        judged = ", ".join(f"{name} **{t[key]['ratio']:.3f} x**"
+                           + ("" if t[key]["met"] else " (missed)")
+                           for name, key in (("fp32 full", "fp32_zo / fp32_infer"),
+                                             ("LoRA", "fp32-lora_zo / fp32_infer"),
+                                             ("int4 scales", "int4_zo / int4_infer"),
+                                             ("ternary", "ternary_zo / ternary_infer"))
+                           if key in t)
+        parts.append(f"batch {point['batch']} x {point['seq']}: {judged}")
+    return ("ZO step peak / inference peak (ternary: / packed inference; targets 1.05, 1.1): "
+            + "; ".join(parts))
+
+
+def _keyboard_runs(r: dict[str, Results]) -> dict[str, Results]:
+    return {run["format"]: run for stem in ("lm_keyboard_float", "lm_keyboard_low")
+            for run in _get(r[stem], "runs")}
+
+
+def _lm_keyboard(r: dict[str, Results]) -> str:
+    run = _keyboard_runs(r)["fp32-lora"]
+    s, curve = run["summary"], run["curve"]
+    return (f"{_get(r['lm_keyboard_float'], 'split')} next-word top-3, mean of "
+            f"{len(run['devices'])} devices: shared {s['shared_top3']:.3f}, personalized "
+            f"**{s['personal_top3']:.3f}** ({s['personal_minus_shared_top3_points']:+.2f} "
+            f"points; {s['not_worse_share']:.0%} of devices not worse), local-only "
+            f"{s['local_top3']:.3f}; shared perplexity {curve[0]['shared_perplexity']:.2f} "
+            f"(round {curve[0]['round']}) -> {curve[-1]['shared_perplexity']:.2f} (round "
+            f"{curve[-1]['round']}); upload {run['upload_bytes_per_round']} B of scalars a "
+            "round, with or without the personal part")
+
+
+def _lm_formats(r: dict[str, Results]) -> str:
+    runs = _keyboard_runs(r)
+    base = runs["fp32-lora"]["summary"]
+    parts = []
+    for name in ("int4-lora", "int4-scales", "ternary"):
+        if name in runs:
+            s = runs[name]["summary"]
+            parts.append(f"{name}: shared {s['shared_top3']:.3f}, personalized "
+                         f"**{s['personal_top3']:.3f}** "
+                         f"({100 * (s['personal_top3'] - base['personal_top3']):+.2f} points "
+                         "vs fp32)")
+    return (f"personalized next-word top-3 (fp32 LoRA {base['personal_top3']:.3f}); "
+            + "; ".join(parts))
+
+
+def _lm_labels(r: dict[str, Results]) -> str:
+    d = r["lm_labels"]
+    runs = {x["method"]: x for x in _get(d, "runs")}
+    parts = [f"{name} {runs[name]['curve'][0]['accuracy']:.3f} -> "
+             f"**{runs[name]['final']:.3f}**" for name in runs]
+    return (f"{d['split']} accuracy at {d['args']['forwards']} forward passes each: "
+            + "; ".join(parts) + " (a base that has never seen a label)")
+
+
 def _ingest(r: dict[str, Results]) -> str:
     d = r["ingest"]
     parts = []
@@ -219,6 +277,12 @@ def _fuzz(r: dict[str, Results]) -> str:
 
 
 SST2 = "PATH/sst2/train.tsv"
+#: The keyboard benchmark's runs: formats split over two processes (2 cores), test split.
+KEYBOARD_FLOAT, KEYBOARD_LOW = "fp32-lora,int4-lora", "int4-scales,ternary"
+KEYBOARD_ARGS = ("--rounds 10 --perturbations 8 --personal-steps 8 --eval-every 2 "
+                 "--split test")
+LABELS_ARGS = "--forwards 2048 --lr 0.1 --head-lr 0.3 --eval-size 1000 --split test"
+
 ROWS: tuple[Row, ...] = (
     Row("SST-2 sentiment: federated ZO with the shipped recipe (MiniLM-L6 head, 20 "
         "Dirichlet(0.5) devices, all every round)",
@@ -253,6 +317,31 @@ ROWS: tuple[Row, ...] = (
         ("core_quiet",),
         ("seedfed bench core --json benchmarks/results/core_quiet.json",),
         _core),
+    Row("memory of a ZO step on a SmolLM-135M-shaped Llama (fp32 full, LoRA r 8, int4 "
+        "scales, packed ternary)",
+        ("lm_memory",),
+        ("seedfed bench quant_memory --model smollm-135m --batch 1,4 --repeats 3 "
+         "--json benchmarks/results/lm_memory.json",),
+        _lm_memory),
+    Row("next-word personalization: 20 writers (topic x sentiment mixes of SST-2 sentences "
+        "the base never saw), a 5.3M-parameter Llama made here, fp32 LoRA, 10 rounds",
+        ("lm_keyboard_float", "lm_keyboard_low"),
+        (f"seedfed lm-base --data {SST2} --out runs/lm-base",
+         f"seedfed bench lm_keyboard --data {SST2} --base runs/lm-base --formats "
+         f"{KEYBOARD_FLOAT} {KEYBOARD_ARGS} --json benchmarks/results/lm_keyboard_float.json",
+         f"seedfed bench lm_keyboard --data {SST2} --base runs/lm-base --formats "
+         f"{KEYBOARD_LOW} {KEYBOARD_ARGS} --json benchmarks/results/lm_keyboard_low.json"),
+        _lm_keyboard),
+    Row("the same fleet on int4 (LoRA over the int4 base; scales) and ternary shared models",
+        ("lm_keyboard_float", "lm_keyboard_low"),
+        (f"seedfed bench lm_keyboard --data {SST2} --base runs/lm-base --formats "
+         f"{KEYBOARD_LOW} {KEYBOARD_ARGS} --json benchmarks/results/lm_keyboard_low.json",),
+        _lm_formats),
+    Row("label words beside a linear head on the same small Llama, SST-2 labels",
+        ("lm_labels",),
+        (f"seedfed bench lm_labels --data {SST2} --base runs/lm-base {LABELS_ARGS} "
+         "--json benchmarks/results/lm_labels.json",),
+        _lm_labels),
     Row("upload per device and round (4 steps x 4 seeds)",
         ("flower_bytes",),
         ("seedfed bench flower_bytes --json benchmarks/results/flower_bytes.json",),

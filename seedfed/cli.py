@@ -294,7 +294,7 @@ def simulate(
     data = data or _recipe_data(recipe)
     run_dir = Path(out) if out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
-        own, overrides = split_settings(set_keys(sets, scope, recipe, data, fmt))
+        own, overrides = split_settings(set_keys(sets, scope, recipe, data, fmt, model))
         given: dict[str, Any] = {"devices": devices, "rounds": rounds, "format": fmt,
                                  "model": model, "recipe": recipe, "scope": scope}
         config = SimulationConfig(out=run_dir, data=data, seed=seed, engine=engine,

@@ -43,6 +43,7 @@ from seedfed.shared.protocol.recipes import (
     HEAD,
     RECIPES,
     SCOPES,
+    lm_counterpart,
     parse_set,
     recipe,
     resolve_recipe,
@@ -135,7 +136,9 @@ def build_spec(o: CreateOptions) -> tuple[TaskSpec, CreateSettings]:
     base = (TaskSpec.from_dict(json.loads(o.spec_file.read_text("utf-8")))
             if o.spec_file is not None else None)
     name = o.recipe or "bare"
-    kind = o.scope or (base.scope if base is not None else recipe(name).scope)
+    # on a causal LM a classifier recipe is its LM counterpart (`recipes.lm_counterpart`)
+    kind = o.scope or (base.scope if base is not None else
+                       recipe(lm_counterpart(name, o.model)).scope)
     given = parse_set(o.sets, kind, settings=(SETTINGS, CreateSettings))
     if o.fmt is not None:
         given["spec.format"] = o.fmt

@@ -373,3 +373,17 @@ def test_names_and_reasons_from_an_old_coordinator_are_printed_escaped(
     assert "(stop\\nround 9  closed\\x1b[0m\\x07)" in shown[1]
     assert "ev\\x1b[2J" in listed[1]
     assert json.loads(as_json[1])["name"] == NASTY_NAME  # --json: escaped by JSON itself
+
+
+def test_a_causal_lm_takes_the_label_words_recipe_and_its_lora_settings(
+        tmp_path: Path) -> None:
+    # Arrange: a directory whose config names a causal LM
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    # Act: the default recipe, a LoRA setting and the objective's words from the command line
+    spec, _ = build_spec(CreateOptions(model=str(tmp_path),
+                                       sets=("target_modules=q_proj,k_proj", "words=bad,good")))
+    # Assert
+    assert (spec.model_kind, spec.scope, spec.objective.kind) == ("causal_lm", "lora",
+                                                                 "label_words")
+    assert spec.lora.target_modules == ("q_proj", "k_proj")
+    assert spec.objective.words == ("bad", "good")

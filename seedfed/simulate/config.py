@@ -164,11 +164,12 @@ class SimulationConfig:
 
 
 def set_keys(items: list[str], scope: str | None, recipe: str | None, data: str,
-             fmt: str | None) -> dict[str, Any]:
+             fmt: str | None, model: str | None = None) -> dict[str, Any]:
     """`--set` items of `seedfed simulate` as `parse_set` overrides: TaskSpec fields, the
-    options of the run's scope (`scope`, else the recipe's) and SimulationConfig's settings
-    that have no option of their own (`run.eval_size`, ...)."""
-    kind = scope or named(recipe or default_recipe(data, fmt)).scope
+    options of the run's scope (`scope`, else the recipe's: on a causal LM `model`, its LM
+    counterpart's) and SimulationConfig's settings that have no option of their own
+    (`run.eval_size`, ...)."""
+    kind = scope or named(lm_counterpart(recipe or default_recipe(data, fmt), model)).scope
     return parse_set(items, kind, settings=(SETTINGS, SimulationConfig), exclude=NOT_SET)
 
 
