@@ -20,6 +20,11 @@ model alone.
 The local-only reference (what the owner's text alone teaches, without the fleet or a
 pretrained model) is a bigram model with absolute discounting over the same tokens.
 
+A label-words device (`LabelPersonalPart`) keeps the same kind of part over its K label words:
+a bias added to the class logits, the owner's own label prior (a device whose owner mostly
+writes one sentiment), trained and checked the same way; its local-only reference predicts
+the owner's most frequent label.
+
 The stored state carries the task id and the model fingerprint, like the classifier's
 (`client.personal`); a state of another task or model is refused and rebuilt.
 """
@@ -50,8 +55,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: `format` in a language model's personal state file.
+#: `format` in a next-token LM's personal state file.
 FORMAT = "seedfed-personal-lm/1"
+#: `format` in a label-words LM's personal state file.
+LABELS_FORMAT = "seedfed-personal-labels/1"
 #: Share of the device's training texts held back for the evidence check.
 CHECK_SHARE = 0.1
 #: Texts per forward (the device's scoring batch).
@@ -70,38 +77,27 @@ class LMScores:
     local: NextTokenCounts | None
 
 
-class LMPersonalPart:
-    """A personal vocabulary bias on a causal LM (module docstring)."""
+class _BiasPart:
+    """A personal bias over `size` logits: its state, its exact Adam steps and the evidence
+    check. A subclass says which logits (`_rows`) and what its local-only reference is."""
 
-    def __init__(self, config: PersonalConfig, model: nn.Module, tokenizer: Any,
-                 max_seq_len: int, task_id: str, fingerprint: str) -> None:
-        """`model`: the device's causal LM as it syncs (its shared version); `fingerprint`:
-        what identifies the frozen model a stored state must have been trained on
-        (`lm_fingerprint`)."""
-        self.config, self.model, self.tokenizer = config, model, tokenizer
-        self.max_seq_len, self.task_id, self.fingerprint = max_seq_len, task_id, fingerprint
-        head: Any = model.get_output_embeddings()  # type: ignore[operator]
-        self.vocab = int(head.weight.shape[0])
-        self.starts = word_starts(tokenizer)
+    format = FORMAT
+
+    def __init__(self, config: PersonalConfig, task_id: str, fingerprint: str,
+                 size: int) -> None:
+        self.config, self.task_id, self.fingerprint, self.size = config, task_id, fingerprint, size
         self.refused: str | None = None
         self.reset()
 
-    @classmethod
-    def of(cls, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> LMPersonalPart:
-        """The personal part of an fp32 (or int8/int4) causal LM's bundle."""
-        return cls(config, bundle.model, bundle.tokenizer, bundle.spec.max_seq_len, task_id,
-                   model_fingerprint(bundle))
-
     # -- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        self.bias = torch.zeros(self.vocab)
+        self.bias = torch.zeros(self.size)
         self.active = False
         self.rounds = 0
         self._moments: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self._bigram: _Bigram | None = None
 
     def to_bytes(self) -> bytes:
-        meta = {"format": FORMAT, "task_id": self.task_id, "fingerprint": self.fingerprint,
+        meta = {"format": self.format, "task_id": self.task_id, "fingerprint": self.fingerprint,
                 "rounds": str(self.rounds), "active": json.dumps(self.active)}
         tensors = {"bias": self.bias.contiguous()} if self.rounds else {}
         return save(tensors, metadata=meta)
@@ -126,16 +122,16 @@ class LMPersonalPart:
             meta = _metadata(data)
         except (SafetensorError, ValueError) as e:
             raise PersonalStateError(f"unreadable personal state: {e}") from e
-        if meta.get("format") != FORMAT:
+        if meta.get("format") != self.format:
             raise PersonalStateError(f"personal state format {meta.get('format')!r} is not "
-                                     f"{FORMAT}")
+                                     f"{self.format}")
         if meta.get("task_id") != self.task_id:
             raise PersonalStateError("personal state of another task")
         if meta.get("fingerprint") != self.fingerprint:
             raise PersonalStateError("personal state of another model")
         bias = tensors.get("bias")
-        if bias is not None and (bias.shape != (self.vocab,) or not torch.isfinite(bias).all()):
-            raise PersonalStateError("personal bias does not fit this model's vocabulary")
+        if bias is not None and (bias.shape != (self.size,) or not torch.isfinite(bias).all()):
+            raise PersonalStateError("personal bias does not fit this model's logits")
         self.rounds = int(meta.get("rounds", "0"))
         self.active = bool(json.loads(meta.get("active", "false")))
         if bias is not None:
@@ -143,32 +139,35 @@ class LMPersonalPart:
 
     # -- a round -------------------------------------------------------------------------------
     def train(self, examples: data_mod.Examples, rng: np.random.Generator) -> float:
-        """One round of bias steps on the device's own text (the evidence check's share held
-        back); returns the personal next-token loss on the last batch."""
+        """One round of bias steps on the device's own examples (the evidence check's share
+        held back); returns the personal loss on the last batch."""
         fit, check = _split(examples, self.task_id)
         if len(fit) == 0:
             return 0.0
-        cfg = self.config
-        if self._bigram is None:
-            self._bigram = _Bigram.of(self._ids(fit), self.vocab)
-        loss = 0.0
+        self._reference(fit)
+        cfg, loss = self.config, 0.0
         size = min(cfg.batch_size, len(fit))
         for _ in range(cfg.steps):
             pick = rng.choice(len(fit), size=size, replace=False)
-            logits, labels = self._logits(fit.subset(pick))
-            loss = self._step(logits, labels)
+            loss = self._step(*self._rows(fit.subset(pick)))
         self.rounds += 1
         self.active = len(check) == 0 or self._helps(check)
         return loss
 
-    def _step(self, logits: torch.Tensor, labels: torch.Tensor) -> float:
-        """One Adam step on b from the exact gradient of the batch's next-token loss."""
-        keep = labels != -100
-        rows = logits[keep]  # (tokens, V)
-        target = labels[keep]
+    def _reference(self, fit: data_mod.Examples) -> None:
+        """Build the local-only reference from the device's own examples (once)."""
+
+    def _rows(self, examples: data_mod.Examples) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the shared model's logits, float32 (N, size), and their targets (N,))."""
+        raise NotImplementedError
+
+    def _step(self, rows: torch.Tensor, target: torch.Tensor) -> float:
+        """One Adam step on b from the exact gradient of the rows' mean cross-entropy."""
+        if not len(target):
+            return 0.0
         p = torch.softmax(rows + self.bias, dim=-1)
         loss = float(torch.nn.functional.cross_entropy(rows + self.bias, target))
-        grad = (p.sum(0) - torch.bincount(target, minlength=self.vocab).float()) / len(target)
+        grad = (p.sum(0) - torch.bincount(target, minlength=self.size).float()) / len(target)
         grad += self.config.decay * self.bias
         m, v, t = self._moments or (torch.zeros_like(grad), torch.zeros_like(grad), 0)
         t += 1
@@ -179,28 +178,63 @@ class LMPersonalPart:
         self._moments = (m, v, t)
         return loss
 
-    @torch.no_grad()
-    def _logits(self, examples: data_mod.Examples) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared model's next-token logits (float32, shifted: position t predicts t+1)
-        and their targets."""
-        parts, targets = [], []
-        for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
-            batch = on_model_device(data_mod.lm_targets(raw), self.model)
-            out = self.model(input_ids=batch["input_ids"],
-                                    attention_mask=batch.get("attention_mask")).logits
-            parts.append(out[:, :-1].float().cpu().reshape(-1, self.vocab))
-            targets.append(batch["labels"][:, 1:].cpu().reshape(-1))
-        return torch.cat(parts), torch.cat(targets)
-
     def _helps(self, check: data_mod.Examples) -> bool:
-        logits, labels = self._logits(check)
-        keep = labels != -100
-        rows, target = logits[keep], labels[keep]
+        rows, target = self._rows(check)
         if not len(target):
             return True
         plain = torch.nn.functional.cross_entropy(rows, target)
         with_bias = torch.nn.functional.cross_entropy(rows + self.bias, target)
         return bool(with_bias < plain)
+
+    @property
+    def applied(self) -> torch.Tensor:
+        """The bias a prediction adds: b where the evidence check passed, else zero."""
+        return self.bias if self.active else torch.zeros(self.size)
+
+
+class LMPersonalPart(_BiasPart):
+    """A personal vocabulary bias on a next-token causal LM (module docstring)."""
+
+    def __init__(self, config: PersonalConfig, model: nn.Module, tokenizer: Any,
+                 max_seq_len: int, task_id: str, fingerprint: str) -> None:
+        """`model`: the device's causal LM as it syncs (its shared version); `fingerprint`:
+        what identifies the frozen model a stored state must have been trained on
+        (`lm_fingerprint`)."""
+        self.model, self.tokenizer, self.max_seq_len = model, tokenizer, max_seq_len
+        head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        self.vocab = int(head.weight.shape[0])
+        self.starts = word_starts(tokenizer)
+        self._bigram: _Bigram | None = None
+        super().__init__(config, task_id, fingerprint, self.vocab)
+
+    @classmethod
+    def of(cls, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> LMPersonalPart:
+        """The personal part of an fp32 (or int8/int4) causal LM's bundle."""
+        return cls(config, bundle.model, bundle.tokenizer, bundle.spec.max_seq_len, task_id,
+                   model_fingerprint(bundle))
+
+    def reset(self) -> None:
+        super().reset()
+        self._bigram = None
+
+    def _reference(self, fit: data_mod.Examples) -> None:
+        if self._bigram is None:
+            self._bigram = _Bigram.of(self._ids(fit), self.vocab)
+
+    @torch.no_grad()
+    def _rows(self, examples: data_mod.Examples) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared model's next-token logits at every target token (position t predicts
+        t + 1; padding dropped) and those targets."""
+        parts, targets = [], []
+        for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
+            batch = on_model_device(data_mod.lm_targets(raw), self.model)
+            out = self.model(input_ids=batch["input_ids"],
+                             attention_mask=batch.get("attention_mask")).logits
+            labels = batch["labels"][:, 1:].cpu()
+            keep = labels != -100
+            parts.append(out[:, :-1].float().cpu()[keep])
+            targets.append(labels[keep])
+        return torch.cat(parts), torch.cat(targets)
 
     def _ids(self, examples: data_mod.Examples) -> list[list[int]]:
         out = []
@@ -218,11 +252,11 @@ class LMPersonalPart:
             return None
         shared, personal = NextTokenCounts(), NextTokenCounts()
         local = NextTokenCounts() if self._bigram is not None else None
-        bias = self.bias if self.active else torch.zeros(self.vocab)
+        bias = self.applied
         for raw in data_mod.eval_batches(examples, self.tokenizer, BATCH, self.max_seq_len):
             batch = on_model_device(data_mod.lm_targets(raw), self.model)
             logits = self.model(input_ids=batch["input_ids"],
-                                       attention_mask=batch.get("attention_mask")).logits
+                                attention_mask=batch.get("attention_mask")).logits
             logits, labels = logits.float().cpu(), batch["labels"].cpu()
             shared.add(next_token_counts(logits, labels, self.starts))
             personal.add(next_token_counts(logits + bias, labels, self.starts))
@@ -239,6 +273,54 @@ class LMPersonalPart:
         return PersonalScores(s.shared.top3_accuracy, s.personal.top3_accuracy,
                               None if s.local is None else s.local.top3_accuracy,
                               len(examples))
+
+
+class LabelPersonalPart(_BiasPart):
+    """A personal bias over a label-words LM's K class logits (module docstring)."""
+
+    format = LABELS_FORMAT
+
+    def __init__(self, config: PersonalConfig, bundle: ModelBundle, task_id: str) -> None:
+        from seedfed.shared.model.objectives import LabelWords, label_word_ids
+
+        self.bundle = bundle
+        self.words = LabelWords(label_word_ids(bundle.tokenizer, bundle.spec.objective))
+        self._prior: int | None = None
+        super().__init__(config, task_id, model_fingerprint(bundle), len(self.words.word_ids))
+
+    def reset(self) -> None:
+        super().reset()
+        self._prior = None
+
+    def _reference(self, fit: data_mod.Examples) -> None:
+        if self._prior is None and len(fit):
+            self._prior = int(np.bincount(fit.labels, minlength=self.size).argmax())
+
+    @torch.no_grad()
+    def _rows(self, examples: data_mod.Examples) -> tuple[torch.Tensor, torch.Tensor]:
+        from seedfed.client.objective_batches import task_batches
+
+        parts, targets = [], []
+        spec = self.bundle.spec
+        for start in range(0, len(examples), BATCH):
+            sl = slice(start, start + BATCH)
+            batch = on_model_device(task_batches(spec, self.bundle.tokenizer,
+                                                 examples.texts[sl], examples.labels[sl]),
+                                    self.bundle.model)
+            parts.append(self.words.logits(self.bundle.model, batch).cpu())
+            targets.append(batch["labels"].cpu())
+        return torch.cat(parts), torch.cat(targets)
+
+    def score(self, examples: data_mod.Examples) -> PersonalScores | None:
+        """Held-out accuracy of the shared label words, with the personal bias, and of the
+        owner's most frequent label alone."""
+        if len(examples) == 0:
+            return None
+        rows, target = self._rows(examples)
+        shared = float((rows.argmax(-1) == target).float().mean())
+        personal = float(((rows + self.applied).argmax(-1) == target).float().mean())
+        local = None if self._prior is None else float((target == self._prior).float().mean())
+        return PersonalScores(shared, personal, local, len(examples))
 
 
 def lm_fingerprint(model: nn.Module, spec_text: str) -> str:

@@ -34,7 +34,7 @@ from seedfed.client.backends.base import (
 from seedfed.client.device_data import DeviceData, local_accuracy
 from seedfed.client.objective_batches import endless_batches
 from seedfed.client.personal import PersonalConfig, PersonalPart
-from seedfed.client.personal_lm import LMPersonalPart, lm_fingerprint
+from seedfed.client.personal_lm import LabelPersonalPart, LMPersonalPart, lm_fingerprint
 from seedfed.client.sync import catch_up, load_state, state_bytes
 from seedfed.client.ternary import PackedTernary, is_ternary
 from seedfed.client.trainer import Batch, LocalTrainer
@@ -259,10 +259,10 @@ class TorchBackend:
         return local_accuracy(self.bundle, examples)
 
     def personal_part(self, config: PersonalConfig, task_id: str,
-                      ) -> PersonalPart | LMPersonalPart | None:
-        """A classifier's personal head (`client.personal`), or a next-token LM's personal
-        vocabulary bias (`client.personal_lm`; on a packed ternary LM too). A ternary
-        classifier and a label-words LM have none."""
+                      ) -> PersonalPart | LMPersonalPart | LabelPersonalPart | None:
+        """A classifier's personal head (`client.personal`), a next-token LM's personal
+        vocabulary bias (on a packed ternary LM too) or a label-words LM's personal class
+        bias (`client.personal_lm`). A ternary classifier (or label-words LM) has none."""
         if self.spec.objective.kind == "next_token":
             if isinstance(self.model, Fp32Model):
                 return LMPersonalPart.of(config, self.model.bundle, task_id)
@@ -272,6 +272,8 @@ class TorchBackend:
                                   lm_fingerprint(packed.model, json.dumps(
                                       {"model_kind": self.spec.model_kind,
                                        "format": self.spec.format}, sort_keys=True)))
-        if not isinstance(self.model, Fp32Model) or self.spec.model_kind == "causal_lm":
+        if not isinstance(self.model, Fp32Model):
             return None
+        if self.spec.objective.kind == "label_words":
+            return LabelPersonalPart(config, self.model.bundle, task_id)
         return PersonalPart(config, self.model.bundle, task_id)

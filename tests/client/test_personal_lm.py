@@ -48,7 +48,7 @@ def test_the_gradient_is_the_exact_one_of_the_biased_cross_entropy(spec: TaskSpe
     b = torch.zeros(part.vocab, requires_grad=True)
     torch.nn.functional.cross_entropy(logits[keep] + b, labels[keep]).backward()
     # Act: Adam's first step from zero moves each entry by lr against its gradient's sign
-    part._step(logits, labels)
+    part._step(logits[keep], labels[keep])
     # Assert
     assert b.grad is not None
     moved = b.grad.abs() > 1e-7
@@ -138,3 +138,31 @@ def test_a_packed_ternary_lm_device_keeps_a_personal_bias(tmp_path: Path) -> Non
         assert isinstance(part, LMPersonalPart) and part.rounds == 1 and part.bias.any()
         scores = part.scores(examples.subset(range(10)))
         assert scores is not None and scores.local is not None
+
+
+def test_a_label_words_device_learns_its_owners_label_prior(tmp_path: Path) -> None:
+    # Arrange: an owner whose examples are 90% label 1
+    from seedfed.client.personal_lm import LabelPersonalPart
+
+    model = write_tiny_llama(tmp_path / "llama", tokenizer=True)
+    spec = TaskSpec(model_path=str(model), model_kind="causal_lm", scope="lora",
+                    objective={"kind": "label_words"}, max_seq_len=24)  # type: ignore[arg-type]
+    part = LabelPersonalPart(PersonalConfig(steps=16, lr=0.2, batch_size=16),
+                             build_model(spec, initialize=True), "t1")
+    rng = np.random.default_rng(0)
+    labels = (rng.random(200) < 0.9).astype(np.int64)
+    texts = tuple(f"review number {i}" for i in range(200))
+    train, held = Examples(texts[:150], labels[:150]), Examples(texts[150:], labels[150:])
+    # Act
+    for r in range(3):
+        part.train(train, np.random.default_rng(r))
+    scores = part.score(held)
+    data = part.to_bytes()
+    again = LabelPersonalPart(PersonalConfig(), build_model(spec, initialize=True), "t1")
+    again.restore(data)
+    # Assert
+    assert scores is not None and scores.local is not None
+    assert part.active and part.bias[1] > part.bias[0]
+    assert scores.personal >= scores.shared and scores.personal >= 0.8
+    assert scores.local == pytest.approx(float((held.labels == 1).mean()))
+    assert again.refused is None and torch.equal(again.bias, part.bias)
