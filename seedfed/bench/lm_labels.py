@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", type=Path, default=Path("runs/lm-base"),
                    help="the pretrained base (made by `seedfed lm-base` if missing)")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--forwards", type=positive_int, default=4096,
+    p.add_argument("--forwards", type=positive_int, default=2048,
                    help="forward passes per method")
     p.add_argument("--perturbations", type=positive_int, default=16)
     p.add_argument("--batch-size", type=positive_int, default=16)
-    p.add_argument("--lr", type=float, default=0.3, help="lr of the adapters")
-    p.add_argument("--head-lr", type=float, default=1.0, help="lr of the linear head alone")
+    p.add_argument("--lr", type=float, default=0.1, help="lr of the adapters")
+    p.add_argument("--head-lr", type=float, default=0.3, help="lr of the linear head alone")
     p.add_argument("--eps", type=float, default=1e-3)
     p.add_argument("--eval-size", type=positive_int, default=1000)
     p.add_argument("--split", choices=("validation", "test"), default="validation")
