@@ -21,9 +21,12 @@ Causal LMs (`ternarize_causal`, `seedfed ternarize --model-kind causal_lm`): no 
 Llama is packaged, so the project builds one from `CausalLMConfig` (a BPE tokenizer trained on
 the training sentences, a Llama-shaped model), pretrains it first-order on next-token loss, and
 distils that fp32 teacher into its BitLinear copy (KL on the next-token distributions plus
-next-token cross-entropy) through the same training loop (`_fit`). The directory is a normal
-Hugging Face causal-LM directory with its tokenizer, cached by its own settings key
-(`ensure_causal_base`); `ternary.json` holds the validation perplexities and the wall times.
+next-token cross-entropy) through the same training loop (`_fit`). `--teacher DIR` takes the
+pretraining stage from a `seedfed lm-base` directory of the same data and settings
+(`seedfed/lm_base.py`), so an fp32 base and its ternary twin share one pretraining. The
+directory is a normal Hugging Face causal-LM directory with its tokenizer, cached by its own
+settings key (`ensure_causal_base`); `ternary.json` holds the validation perplexities and the
+wall times.
 """
 
 from __future__ import annotations

@@ -384,6 +384,11 @@ def resolve_recipe(name: str, overrides: Mapping[str, Any] | None = None, *,
     lr schedule of the recipe spans the fleet's rounds unless `decay_rounds` is set."""
     name = lm_counterpart(name, model) if base is None else name
     r = recipe(name)
+    if r.task.get("model_kind") == "causal_lm" and base is None and \
+            model_kind_of(model or default_model_path()) == "seq_cls":
+        raise ValueError(f"recipe {name} trains a causal LM, and {model or 'the default model'} "
+                         "is a sentence encoder: give --model a causal LM's directory (e.g. "
+                         "one `seedfed lm-base` makes)")
     given = dict(overrides or {})
     spec = base if base is not None else r.spec(model)
     if model is not None:

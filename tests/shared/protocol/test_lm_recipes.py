@@ -73,3 +73,9 @@ def test_the_objective_is_set_from_the_command_line(tmp_path: Path) -> None:
 def test_a_scope_and_a_format_are_applied_together() -> None:
     spec = resolve_recipe("sst2", {"spec.format": "int4"}, scope="scales").spec
     assert (spec.scope, spec.format) == ("scales", "int4")
+
+
+def test_an_lm_recipe_on_a_sentence_encoder_is_refused(tmp_path: Path) -> None:
+    encoder = _model(tmp_path / "minilm", ["BertModel"], sentence_transformers=True)
+    with pytest.raises(ValueError, match="trains a causal LM.*give --model a causal LM"):
+        resolve_recipe("lm-keyboard", model=encoder)
