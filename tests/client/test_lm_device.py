@@ -28,9 +28,11 @@ from tests.fleet_helpers import CAUSAL_LM_FAMILIES, write_sentiment_tsv, write_t
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-#: (objective, scope, format): every objective, a body, adapters and quantized scales.
+#: (objective, scope, format): every objective, a body, adapters, quantized scales and a
+#: bf16-published shared model.
 CASES = (("label_words", "full", "fp32"), ("next_token", "lora", "fp32"),
-         ("next_token", "scales", "int4"), ("label_words", "lora", "int4"))
+         ("next_token", "scales", "int4"), ("label_words", "lora", "int4"),
+         ("next_token", "lora", "bf16"))
 
 
 def _params() -> Iterator[Any]:
