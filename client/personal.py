@@ -321,7 +321,7 @@ class PersonalPart:
         """Apply a stored personal state, or raise PersonalStateError and keep none."""
         try:
             tensors = load(data)
-            meta = _metadata(data)
+            meta = state_metadata(data)
         except (SafetensorError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise PersonalStateError(f"personal state is corrupt ({e})") from e
         if meta.get("format") != FORMAT:
@@ -496,7 +496,7 @@ def _stored_gate(anchors: torch.Tensor | None, radius: str | None, hidden: int
         raise PersonalStateError(f"personal state's evidence gate is corrupt ({e})") from e
 
 
-def _metadata(data: bytes) -> dict[str, Any]:
+def state_metadata(data: bytes) -> dict[str, Any]:
     """The `__metadata__` of a safetensors buffer (header: 8-byte length, then JSON)."""
     if len(data) < 8:
         raise ValueError("shorter than a safetensors header")

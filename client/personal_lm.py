@@ -48,6 +48,7 @@ from seedfed.client.personal import (
     PersonalScores,
     PersonalStateError,
     model_fingerprint,
+    state_metadata,
 )
 from seedfed.shared.model.factory import ModelBundle
 from seedfed.shared.model.objectives import NextTokenCounts, next_token_counts, word_starts
@@ -119,7 +120,7 @@ class _BiasPart:
     def _load(self, data: bytes) -> None:
         try:
             tensors = load(data)
-            meta = _metadata(data)
+            meta = state_metadata(data)
         except (SafetensorError, ValueError) as e:
             raise PersonalStateError(f"unreadable personal state: {e}") from e
         if meta.get("format") != self.format:
@@ -386,11 +387,3 @@ class _Bigram:
                 p[ids] += probs
                 out[i, j] = np.log(p)
         return torch.from_numpy(out)
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    """A safetensors file's metadata, read from its header."""
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + size])
-    meta = header.get("__metadata__", {})
-    return meta if isinstance(meta, dict) else {}

@@ -15,9 +15,9 @@ from seedfed.client.personal import (
     PersonalPart,
     PersonalStateError,
     _logits,
-    _metadata,
     features,
     shared_head,
+    state_metadata,
 )
 from seedfed.client.personal_gate import MAX_ANCHORS, EvidenceGate, gated
 
@@ -133,7 +133,7 @@ def test_the_gate_round_trips_in_the_personal_state_and_a_state_without_one_stil
     part = trained(bundle, train, rounds=2)
     stored = part.to_bytes()
     tensors = load(stored)
-    meta = {k: v for k, v in _metadata(stored).items() if k != "radius"}
+    meta = {k: v for k, v in state_metadata(stored).items() if k != "radius"}
     without = save({k: v for k, v in tensors.items() if k != "anchors"}, metadata=meta)
     # Act
     fresh = PersonalPart(PersonalConfig(), bundle, "task-a")
@@ -155,7 +155,7 @@ def test_a_corrupt_gate_is_refused(assets: tuple[Path, Path, Path],
     bundle = bundle_of(model)
     train, _ = flipped(data)
     stored = trained(bundle, train, rounds=1).to_bytes()
-    tensors, meta = dict(load(stored)), dict(_metadata(stored))
+    tensors, meta = dict(load(stored)), dict(state_metadata(stored))
     if damage == "no radius":
         del meta["radius"]
     elif damage == "nan anchors":

@@ -20,10 +20,10 @@ from seedfed.client.personal import (
     PersonalConfig,
     PersonalPart,
     PersonalStateError,
-    _metadata,
     head_module,
     model_fingerprint,
     shared_head,
+    state_metadata,
 )
 from seedfed.shared.model.factory import ModelBundle
 
@@ -117,7 +117,7 @@ def test_a_new_state_names_its_identity_and_another_models_is_refused(
     blob = trained(bundle_of(model), flipped(data)[0], rounds=1).to_bytes()
     target = PersonalPart(PersonalConfig(), bundle_of(other), "task-a")
 
-    assert _metadata(blob)["identity"] == IDENTITY
+    assert state_metadata(blob)["identity"] == IDENTITY
     with pytest.raises(PersonalStateError, match="another model"):
         target.load_bytes(blob)
 
@@ -144,7 +144,7 @@ def _rounded_fingerprint(bundle: ModelBundle, prototype: Head) -> str:
 
 def _as_legacy(blob: bytes, fingerprint: str) -> bytes:
     """The same state as an earlier seedfed wrote it: the rounded fingerprint, no identity."""
-    meta = {k: v for k, v in _metadata(blob).items() if k != "identity"}
+    meta = {k: v for k, v in state_metadata(blob).items() if k != "identity"}
     return save(load(blob), metadata={**meta, "fingerprint": fingerprint})
 
 
@@ -166,7 +166,7 @@ def test_a_legacy_state_of_this_model_is_kept_and_migrated(
     target = PersonalPart(PersonalConfig(), bundle_of(model), "task-a")
     # Act
     target.restore(legacy)
-    migrated = _metadata(target.to_bytes())
+    migrated = state_metadata(target.to_bytes())
     # Assert
     assert target.refused is None and target.rounds == 2
     assert target.personal is not None and part.personal is not None
